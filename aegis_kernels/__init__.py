@@ -1,0 +1,21 @@
+"""AEGIS flood kernels: ``torch.ops.aegis.{flood, flood_, flood_seeded_, noise}``.
+
+Knows nothing of the ``aegis`` library. The PyTorch reference (``aegis_kernels.reference``)
+runs on every device; on CUDA the fused Triton kernels replace it when Triton is installed.
+"""
+from . import ops, reference
+from .reference import derive_seed, stream_offsets
+
+try:  # the fused kernels need Triton; without it the reference serves CUDA too
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
+
+flood = ops.flood
+flood_ = ops.flood_
+flood_seeded_ = ops.flood_seeded_
+noise = ops.noise
+
+__all__ = ["flood", "flood_", "flood_seeded_", "noise", "reference", "stream_offsets", "derive_seed", "HAS_TRITON"]
