@@ -1,0 +1,183 @@
+"""What AEGIS costs in a training step, beside undefended training and the baselines (issue 6).
+
+One full step = forward, backward, defence, AdamW step. For each model and batch the defences run
+side by side in one process on one device; the report gives the median step time, peak allocated
+memory and the exported payload (fp32 bytes of what a client shares), and ratios to undefended.
+
+    python benchmarks/overhead.py            # GPU: GPT-2, GPT-2-XL, LLaMA-2-7B architectures
+    python benchmarks/overhead.py --quick    # tiny config on CPU, under a minute (CI runs this)
+
+Random-initialised architectures from configs: no weights are downloaded.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import transformers as T
+
+from aegis.baselines import make_defence
+
+RESULTS = Path(__file__).parent / "results"
+DEFENCES = ("none", "aegis-paper", "dp-sgd-C1-z1", "prune-90", "soteria-80")
+
+
+@dataclass(frozen=True)
+class Setting:
+    model: str
+    batch: int
+    seq: int
+    weights: torch.dtype
+    autocast: torch.dtype | None
+
+
+def gpt2_config(name: str) -> T.GPT2Config:
+    sizes = {"gpt2": (12, 768, 12, 50257), "gpt2-xl": (48, 1600, 25, 50257), "tiny-gpt2": (2, 64, 2, 1024)}
+    n_layer, n_embd, n_head, vocab = sizes[name]
+    return T.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab)
+
+
+def config_for(name: str):
+    if name == "llama-2-7b":
+        return T.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                             num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+    return gpt2_config(name)
+
+
+def settings(quick: bool) -> list[Setting]:
+    if quick:
+        return [Setting("tiny-gpt2", 4, 32, torch.float32, None)]
+    return [
+        Setting("gpt2", 8, 64, torch.float32, None),
+        Setting("gpt2", 64, 64, torch.float32, None),  # GPU-bound: launch overhead no longer hides the defence
+        Setting("gpt2-xl", 2, 64, torch.float32, torch.float16),
+        Setting("gpt2-xl", 16, 64, torch.float32, torch.float16),
+        # bf16 weights: AdamW keeps its states in the parameters' dtype, the same for every defence.
+        Setting("llama-2-7b", 4, 64, torch.bfloat16, None),
+        Setting("llama-2-7b", 16, 64, torch.bfloat16, None),
+    ]
+
+
+def build(setting: Setting, device: torch.device):
+    torch.manual_seed(0)
+    config = config_for(setting.model)
+    with device:
+        model = T.AutoModelForCausalLM.from_config(config, torch_dtype=setting.weights)
+    model.config.use_cache = False
+    ids = torch.randint(0, config.vocab_size, (setting.batch, setting.seq), device=device)
+    return model.train(), {"input_ids": ids, "labels": ids}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_one(setting: Setting, defence_name: str, device: torch.device, warmup: int, steps: int) -> dict:
+    model, batch = build(setting, device)
+    defence = make_defence(defence_name)
+    optimizer_holder = {}
+
+    def loss_fn(m, b):
+        with torch.autocast(device.type, dtype=setting.autocast, enabled=setting.autocast is not None):
+            return m(**b).loss
+
+    # AEGIS freezes attention before the optimizer sees it; others keep every parameter.
+    defence.attach(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
+    optimizer_holder["opt"] = optimizer
+    scaler = torch.amp.GradScaler(device.type, enabled=setting.autocast == torch.float16)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = defence.backward(batch, lambda m, b: scaler.scale(loss_fn(m, b)))
+        scaler.unscale_(optimizer)
+        defence.defend_()
+        scaler.step(optimizer)
+        scaler.update()
+        return loss
+
+    for _ in range(warmup):
+        step()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    payload = sum(t.numel() * 4 for t in defence.export().values())  # fp32 on the wire
+    extra = defence.report()
+    del model, optimizer, defence, optimizer_holder
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"median_s": statistics.median(times), "peak_bytes": peak, "payload_bytes": payload, **extra}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny config on CPU, a few steps")
+    parser.add_argument("--defences", default=",".join(DEFENCES))
+    parser.add_argument("--models", default="", help="comma-separated subset of model names")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for overhead-<card>.json")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    warmup, steps = (1, 3) if args.quick else (args.warmup, args.steps)
+    card = torch.cuda.get_device_name().replace(" ", "-") if device.type == "cuda" else "cpu"
+    rows = []
+    for setting in settings(args.quick):
+        if args.models and setting.model not in args.models.split(","):
+            continue
+        base = None
+        for name in args.defences.split(","):
+            try:
+                result = run_one(setting, name, device, warmup, steps)
+            except torch.OutOfMemoryError as err:
+                result = {"error": f"out of memory: {str(err).splitlines()[0]}"}
+                gc.collect()
+                torch.cuda.empty_cache()
+            except Exception as err:  # a baseline that cannot handle a model is reported, not fatal
+                result = {"error": f"{type(err).__name__}: {err}"[:300]}
+            if name == "none" and "error" not in result:
+                base = result
+            if base and "error" not in result:
+                result |= {
+                    "time_ratio": result["median_s"] / base["median_s"],
+                    "memory_ratio": result["peak_bytes"] / base["peak_bytes"] if base["peak_bytes"] else None,  # CPU: none
+                    "payload_ratio": result["payload_bytes"] / base["payload_bytes"],
+                }
+            row = {**asdict(setting), "weights": str(setting.weights), "autocast": str(setting.autocast), "defence": name, **result}
+            rows.append(row)
+            print(format_row(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"overhead-{card}.json"
+    out.write_text(json.dumps({"card": card, "torch": torch.__version__, "warmup": warmup, "steps": steps, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    return out
+
+
+def format_row(r: dict) -> str:
+    head = f"{r['model']:>11} b={r['batch']:<3} {r['defence']:>13}"
+    if "error" in r:
+        return f"{head}  {r['error']}"
+    memory = "n/a" if r.get("memory_ratio") is None else f"{r['memory_ratio']:.3f}"
+    ratios = "" if "time_ratio" not in r else (
+        f"  time×{r['time_ratio']:.3f}  mem×{memory}  payload×{r['payload_ratio']:.3f}"
+    )
+    return f"{head}  {r['median_s'] * 1e3:8.2f} ms  peak {r['peak_bytes'] / 2**30:6.2f} GiB  payload {r['payload_bytes'] / 2**20:8.1f} MiB{ratios}"
+
+
+if __name__ == "__main__":
+    main()
