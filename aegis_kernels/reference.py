@@ -21,6 +21,7 @@ Offsets must be multiples of 4 so every tensor starts on a counter boundary.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -39,13 +40,11 @@ DERIVE_DOMAIN = 1  # third counter word of the per-step seed derivation
 
 
 def _mulhilo(a: Tensor, b: int) -> tuple[Tensor, Tensor]:
-    """(hi, lo) 32-bit words of a * b for uint32 values held in int64.
-
-    The 64-bit product wraps modulo 2^64 in int64 (two's complement); masking after the
-    arithmetic shift recovers the unsigned high word exactly.
-    """
-    product = a * b
-    return (product >> 32) & MASK32, product & MASK32
+    """(hi, lo) 32-bit words of a * b for uint32 values held in int64, without int64 overflow."""
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    t_lo = a * b_lo  # < 2^48
+    t_hi = a * b_hi  # < 2^48
+    return (t_hi + (t_lo >> 16)) >> 16, (((t_hi & 0xFFFF) << 16) + t_lo) & MASK32
 
 
 def philox4x32(
@@ -84,24 +83,42 @@ def check_offset(offset: int) -> None:
         )
 
 
-NOISE_CHUNK = 1 << 16  # counters per chunk: keeps Philox's temporaries in cache on CPU
+def _normals(counters: Tensor, key: Tensor) -> Tensor:
+    """The four normals of each 64-bit counter: shape (n, 4), fp32."""
+    zero = torch.zeros_like(counters)
+    x0, x1, x2, x3 = philox4x32(key, counters & MASK32, (counters >> 32) & MASK32, zero, zero)
+    z0, z1 = _box_muller(_uniform(x0), _uniform(x1))
+    z2, z3 = _box_muller(_uniform(x2), _uniform(x3))
+    return torch.stack((z0, z1, z2, z3), dim=1)
+
+
+_fused_normals = None
+
+
+def _normals_fn(device: torch.device):
+    """On CPU, _normals compiled by Inductor into one vectorised loop (~10x faster than eager's
+    hundred passes); AEGIS_REFERENCE_COMPILE=0 or a failed compile falls back to eager."""
+    global _fused_normals
+    if device.type != "cpu" or os.environ.get("AEGIS_REFERENCE_COMPILE", "1") == "0":
+        return _normals
+    if _fused_normals is None:
+        try:
+            compiled = torch.compile(_normals, dynamic=True)
+            compiled(torch.arange(8, dtype=torch.int64), torch.tensor(1))
+            _fused_normals = compiled
+        except Exception:  # no C++ toolchain, unsupported platform: stay correct, just slower
+            _fused_normals = _normals
+    return _fused_normals
 
 
 def noise(shape: tuple[int, ...] | list[int], seed: int | Tensor, offset: int, device=None) -> Tensor:
     """Standard normal Z of ``shape`` (fp32) drawn from the (seed, offset) stream above."""
     check_offset(offset)
     n = math.prod(shape)
-    out = torch.empty(((n + 3) // 4, 4), dtype=torch.float32, device=device)
-    seed = seed.to(device) if isinstance(seed, Tensor) else seed
-    for start in range(0, out.shape[0], NOISE_CHUNK):
-        c = torch.arange(start, min(start + NOISE_CHUNK, out.shape[0]), dtype=torch.int64, device=device)
-        c += offset // 4
-        zero = torch.zeros_like(c)
-        x0, x1, x2, x3 = philox4x32(seed, c & MASK32, (c >> 32) & MASK32, zero, zero)
-        z0, z1 = _box_muller(_uniform(x0), _uniform(x1))
-        z2, z3 = _box_muller(_uniform(x2), _uniform(x3))
-        torch.stack((z0, z1, z2, z3), dim=1, out=out[start : start + len(c)])
-    return out.reshape(-1)[:n].reshape(shape)
+    device = torch.device(device or "cpu")
+    key = torch.as_tensor(seed, dtype=torch.int64, device=device)
+    counters = torch.arange((n + 3) // 4, dtype=torch.int64, device=device) + offset // 4
+    return _normals_fn(device)(counters, key).reshape(-1)[:n].reshape(shape)
 
 
 def derive_seed(key: int | Tensor, step: int | Tensor) -> Tensor:

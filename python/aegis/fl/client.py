@@ -1,0 +1,259 @@
+"""Client side of AEGIS on Flower: the FedSGD training function and ``AegisMod``, which fails closed.
+
+A Flower mod only sees the outgoing Message, never the training loop, so the work is split (the same
+split as Opacus's optimizer + module wrapper):
+
+* the training function (:class:`ClientTrainer`) computes the batch gradient, masks it with the shield
+  and packs ``shield.export()`` with :func:`pack_masked`, which also records a *receipt* (the digest of
+  the packed arrays and the AEGIS configuration used) in the mod's call scope;
+* :class:`AegisMod` configures AEGIS from ``context.run_config`` at call time (the train function reads
+  it with :func:`active_config`) and, on the way back, refuses any reply carrying arrays unless they are
+  byte for byte what a shield masked during this very call with this call's configuration. A forgotten
+  ``mask_()``, a raw ``p.grad`` packed by hand, arrays edited after masking, a wrong preset or a fixed
+  seed all turn into an error reply; nothing unmasked is sent.
+
+Register the mod first so it is the last to touch the reply: ``@app.train(mods=[AegisMod(), ...])``.
+"""
+from __future__ import annotations
+
+import contextvars
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from torch import Tensor, nn
+
+from ..baselines import Aegis, Batch, Defence, LossFn, lm_loss
+from ..config import AegisConfig
+from ..shield import Shield
+
+ARRAYS_KEY, METRICS_KEY, CONFIG_KEY, PROOF_KEY = "arrays", "metrics", "config", "aegis"
+# Values of Flower's ErrorCode (flwr.common.constant is not public API).
+CLIENT_APP_RAISED_EXCEPTION = 2
+MOD_FAILED_PRECONDITION = 6
+
+# run_config key -> AegisConfig field. A seed is deliberately absent: see config_from_run_config.
+RUN_CONFIG_KEYS = {"aegis-preset": "preset", "aegis-rel-threshold": "rel_threshold", "aegis-strict": "strict"}
+
+
+def config_from_run_config(run_config: Mapping, base: AegisConfig | None = None) -> AegisConfig:
+    """``base`` with the ``aegis-*`` keys of a Flower run_config applied.
+
+    Keys: ``aegis-preset`` ("paper" | "utility"), ``aegis-rel-threshold`` (float), ``aegis-strict`` (bool).
+    Raises on ``aegis-seed`` (a seed the server knows lets it subtract the noise) and on unknown
+    ``aegis-*`` keys (a typo must not silently fall back to defaults).
+    """
+    base = base or AegisConfig()
+    keys = sorted(k for k in run_config if k.startswith("aegis-"))
+    if "aegis-seed" in keys:
+        raise ValueError("run_config sets 'aegis-seed': AEGIS clients draw secret seeds; a shared seed would let the server remove the noise")
+    unknown = [k for k in keys if k not in RUN_CONFIG_KEYS]
+    if unknown:
+        raise ValueError(f"unknown run_config key(s) {unknown}: AEGIS reads {sorted(RUN_CONFIG_KEYS)}")
+    changes = {}
+    if "aegis-preset" in run_config:
+        changes["preset"] = str(run_config["aegis-preset"])
+    if "aegis-rel-threshold" in run_config:
+        changes["rel_threshold"] = float(run_config["aegis-rel-threshold"])
+    if "aegis-strict" in run_config:
+        if not isinstance(run_config["aegis-strict"], bool):
+            raise TypeError(f"aegis-strict must be a boolean, got {run_config['aegis-strict']!r}")
+        changes["strict"] = run_config["aegis-strict"]
+    return base.replace(**changes)
+
+
+@dataclass
+class _Session:
+    """One AegisMod call: its configuration and the receipts of what shields masked during it."""
+
+    config: AegisConfig
+    receipts: dict[str, AegisConfig] = field(default_factory=dict)
+
+
+_SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("aegis_fl_session", default=None)
+
+
+def active_config() -> AegisConfig | None:
+    """The AEGIS configuration of the enclosing AegisMod call, or None outside one."""
+    session = _SESSION.get()
+    return None if session is None else session.config
+
+
+def digest(record: ArrayRecord) -> str:
+    """SHA-256 over the keys, dtypes, shapes and bytes of an ArrayRecord, in order."""
+    h = hashlib.sha256()
+    for key, array in record.items():
+        h.update(repr((key, array.dtype, tuple(array.shape), array.stype, len(array.data))).encode())
+        h.update(array.data)
+    return h.hexdigest()
+
+
+def pack_gradients(grads: Mapping[str, Tensor]) -> ArrayRecord:
+    """An ArrayRecord of fp32 NumPy arrays (bf16 cannot travel through NumPy), keys in order."""
+    return ArrayRecord({k: Array(g.detach().to("cpu", torch.float32).numpy()) for k, g in grads.items()})
+
+
+def pack_masked(shield: Shield) -> tuple[ArrayRecord, ConfigRecord]:
+    """``shield.export()`` packed for Flower, plus the proof the mod checks; fails closed if unmasked."""
+    record = pack_gradients(shield.export())
+    d = digest(record)
+    session = _SESSION.get()
+    if session is not None:
+        session.receipts[d] = shield.config
+    return record, ConfigRecord({"masked": True, "digest": d})
+
+
+def refuse(msg: Message, reason: str) -> Message:
+    """The error reply AegisMod sends instead of an unmasked one."""
+    return Message(Error(code=MOD_FAILED_PRECONDITION, reason=f"AegisMod refused to send the reply: {reason}"), reply_to=msg)
+
+
+class AegisMod:
+    """Flower client mod: AEGIS configured from ``context.run_config``, unmasked replies refused.
+
+    ``config`` holds the defaults that run_config keys (see :func:`config_from_run_config`) override on
+    every call. It must not carry a fixed seed.
+    """
+
+    def __init__(self, config: AegisConfig | None = None) -> None:
+        config = config or AegisConfig()
+        if config.seed is not None or config.device_seed:
+            raise ValueError("AegisMod: a Flower client must draw a fresh secret seed per step (config.seed=None)")
+        self.config = config
+
+    def __call__(self, msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+        try:
+            config = config_from_run_config(context.run_config, self.config)
+        except (ValueError, TypeError) as err:
+            return refuse(msg, f"invalid AEGIS run_config: {err}")
+        session = _Session(config)
+        token = _SESSION.set(session)
+        try:
+            reply = call_next(msg, context)
+        finally:
+            _SESSION.reset(token)
+        if reply.has_error() or not reply.content.array_records:
+            return reply  # nothing to leak: an error, or metrics only
+        problem = _unmasked(reply.content, session)
+        return reply if problem is None else refuse(msg, problem)
+
+
+def _unmasked(content: RecordDict, session: _Session) -> str | None:
+    """Why the reply's arrays cannot be trusted as masked in this session, or None."""
+    if len(content.array_records) != 1:
+        return f"{len(content.array_records)} ArrayRecords in the reply; an AEGIS reply carries exactly one"
+    record = next(iter(content.array_records.values()))
+    proof = content.config_records.get(PROOF_KEY)
+    if proof is None or proof.get("masked") is not True:
+        return "the arrays are not marked as masked (pack them with aegis.fl.pack_masked(shield))"
+    d = digest(record)
+    if proof.get("digest") != d:
+        return "the arrays changed after masking (digest mismatch)"
+    if d not in session.receipts:
+        return "no shield masked these arrays during this call"
+    if session.receipts[d] != session.config:
+        return "the arrays were masked with a configuration other than this run's run_config"
+    return None
+
+
+class ClientTrainer:
+    """One FedSGD client as a ClientApp train function ``(Message, Context) -> Message``.
+
+    Each call loads the global trainable arrays into ``model``, takes this round's batch, computes the
+    gradient of ``loss_fn``, applies the defence and replies with the shared gradient (fp32 ArrayRecord
+    ``arrays``) and a MetricRecord ``metrics`` with ``num-examples`` and ``train-loss``.
+
+    defence:  ``None`` (default) = AEGIS configured by the enclosing AegisMod (required then); an
+              :class:`aegis.baselines.Aegis` adds the masking proof; any other Defence (the audit's
+              baselines) replies without one, and AegisMod would refuse it.
+    batches:  a sequence (round r uses ``batches[(r - 1) % len(batches)]``) or ``server_round -> batch``.
+    ``batches_used[r]`` keeps the batch of round r: ground truth for scoring attacks, never sent.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batches: Sequence[Batch] | Callable[[int], Batch],
+        *,
+        defence: Defence | None = None,
+        loss_fn: LossFn = lm_loss,
+    ) -> None:
+        self.model, self.loss_fn, self._batches = model, loss_fn, batches
+        self.defence = defence.attach(model) if defence is not None else None
+        self._aegis: Aegis | None = None
+        self.batches_used: dict[int, Batch] = {}
+
+    def batch(self, server_round: int) -> Batch:
+        if callable(self._batches):
+            return self._batches(server_round)
+        return self._batches[(server_round - 1) % len(self._batches)]
+
+    def current_defence(self) -> Defence:
+        if self.defence is not None:
+            return self.defence
+        config = active_config()
+        if config is None:
+            raise RuntimeError(
+                "ClientTrainer(defence=None) runs AEGIS as configured by AegisMod: register it with "
+                "@app.train(mods=[AegisMod()]) or pass a defence"
+            )
+        if self._aegis is None or self._aegis.config != config:
+            self._aegis = Aegis(config).attach(self.model)
+        return self._aegis
+
+    def __call__(self, msg: Message, context: Context) -> Message:
+        defence = self.current_defence()
+        load_arrays(self.model, _single_array_record(msg.content))
+        server_round = _server_round(msg.content)
+        batch = self.batch(server_round)
+        for p in self.model.parameters():
+            p.grad = None
+        loss = defence.backward(batch, self.loss_fn)
+        defence.defend_()
+        content = RecordDict()
+        if isinstance(defence, Aegis):
+            content[ARRAYS_KEY], content[PROOF_KEY] = pack_masked(defence.shield)
+        else:
+            content[ARRAYS_KEY] = pack_gradients(defence.export())
+        content[METRICS_KEY] = MetricRecord({"num-examples": batch_size(batch), "train-loss": float(loss)})
+        self.batches_used[server_round] = batch
+        return Message(content, reply_to=msg)
+
+
+def load_arrays(model: nn.Module, record: ArrayRecord) -> None:
+    """Copy the global arrays into the model's trainable parameters; the keys must match exactly."""
+    params = dict(model.named_parameters())
+    expected = {n for n, p in params.items() if p.requires_grad}
+    if set(record.keys()) != expected:
+        extra, missing = sorted(set(record.keys()) - expected), sorted(expected - set(record.keys()))
+        raise ValueError(f"the server's arrays do not match the trainable parameters (extra {extra[:3]}, missing {missing[:3]})")
+    with torch.no_grad():
+        for key, array in record.items():
+            params[key].copy_(torch.from_numpy(array.numpy()))
+
+
+def trainable_arrays(model: nn.Module) -> ArrayRecord:
+    """The model's trainable parameters as fp32 arrays: the global state FedSGD starts from."""
+    return pack_gradients({n: p for n, p in model.named_parameters() if p.requires_grad})
+
+
+def batch_size(batch: Batch) -> int:
+    for value in batch.values():
+        if isinstance(value, Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    raise ValueError("cannot tell the batch size: the batch has no tensor")
+
+
+def _single_array_record(content: RecordDict) -> ArrayRecord:
+    if len(content.array_records) != 1:
+        raise ValueError(f"expected one ArrayRecord (the global model) in the message, got {len(content.array_records)}")
+    return next(iter(content.array_records.values()))
+
+
+def _server_round(content: RecordDict) -> int:
+    for record in content.config_records.values():
+        if "server-round" in record:
+            return int(record["server-round"])
+    return 0

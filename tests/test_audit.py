@@ -1,0 +1,46 @@
+"""`aegis audit` end to end on a small configuration: report.json, the PNG and the HTML are real."""
+import html
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from aegis.cli import app
+
+
+@pytest.fixture(scope="module")
+def report_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    result = CliRunner().invoke(
+        app,
+        ["audit", "--quick", "--out", str(out), "--defences", "none,aegis-paper,prune-90", "--attacks", "dager,embedding_norm",
+         "--rounds", "1", "--clients", "1"],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_report_json_schema_and_privacy(report_dir):
+    report = json.loads((report_dir / "report.json").read_text())
+    rows = {(r["model"], r["defence"], r["attack"]): r for r in report["results"]}
+    assert set(rows) == {("decoder", d, a) for d in ("none", "aegis-paper", "prune-90") for a in ("dager", "embedding_norm")}
+    for row in rows.values():
+        assert {"rouge1", "rouge2", "rougeL", "token_recall", "exact_rate", "null_rouge1"} <= row.keys()
+    assert rows["decoder", "none", "dager"]["rouge1"] >= 0.9  # undefended: the attack works
+    for attack in ("dager", "embedding_norm"):
+        aegis_row = rows["decoder", "aegis-paper", attack]
+        assert aegis_row["rouge1"] <= max(0.05, aegis_row["null_rouge1"] + 0.05)
+    utility = {u["defence"]: u for u in report["utility"]}
+    assert set(utility) == {"none", "aegis-paper", "prune-90"}
+    assert all(u["perplexity"] > 1 for u in utility.values())
+
+
+def test_plot_and_html_show_what_they_claim(report_dir):
+    png = (report_dir / "privacy_utility.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    page = (report_dir / "report.html").read_text()
+    report = json.loads((report_dir / "report.json").read_text())
+    undefended = [r for r in report["reconstructions"] if r["defence"] == "none" and r["attack"] == "dager"]
+    assert undefended and all(html.escape(r["reference"]) in page for r in undefended)
+    assert "class='hit'" in page  # the undefended reconstruction is coloured token by token
