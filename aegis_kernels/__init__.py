@@ -12,6 +12,15 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     HAS_TRITON = False
 else:
     HAS_TRITON = True
+    try:  # CUDA implementations of the ops; CPU keeps the reference
+        from . import triton_flood
+
+        triton_flood.register()
+    except Exception as exc:  # pragma: no cover - a broken Triton must not break the package
+        import warnings
+
+        warnings.warn(f"aegis_kernels: Triton kernels not registered ({exc!r}); the PyTorch reference serves CUDA")
+        HAS_TRITON = False
 
 flood = ops.flood
 flood_ = ops.flood_

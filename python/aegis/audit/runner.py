@@ -155,8 +155,7 @@ def _attack_fn(name: str):
 def _score(predictions: list[str], references: list[str], tokenizer, kind: str) -> dict[str, float]:
     from .. import metrics
 
-    alignment = "greedy" if kind == "decoder" else "hungarian"
-    scores = metrics.rouge(predictions, references, alignment=alignment)
+    scores = metrics.rouge(predictions, references, alignment="greedy" if kind == "decoder" else "hungarian")
     return {
         "rouge1": scores["rouge1"],
         "rouge2": scores["rouge2"],
@@ -268,13 +267,8 @@ def _null(fn, model, shared, tokenizer, kind) -> float:
     from .. import metrics
 
     refs = _references(tokenizer, shared.batch)
-    gen = torch.Generator().manual_seed(0)
-    fake = {}
-    for name, g in shared.grads.items():
-        noise = torch.randn(g.shape, generator=gen)
-        fake[name] = noise * (g.norm() / noise.norm().clamp_min(1e-30))
-    preds = fn(model, fake, tokenizer, len(refs))
-    return round(_score(preds, refs, tokenizer, kind)["rouge1"], 4)
+    alignment = "greedy" if kind == "decoder" else "hungarian"
+    return round(metrics.null_baseline(fn, model, shared.grads, tokenizer, len(refs), refs, alignment=alignment)["rouge1"], 4)
 
 
 def _privacy_budget(reports: list[dict[str, float]]) -> dict[str, float]:
@@ -283,12 +277,12 @@ def _privacy_budget(reports: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _reconstruction_rows(kind, defence, attack, refs, preds, tokenizer) -> list[dict]:
-    """Each private sentence beside the reconstruction that matches it best (ROUGE-1)."""
+    """Each private sentence beside the reconstruction the metrics matched to it."""
     from .. import metrics
 
     rows = []
-    for ref in refs:
-        pred = max(preds, key=lambda p: metrics.rouge([p], [ref])["rouge1"], default="")
+    for ref, j in zip(refs, metrics.align(preds, refs, "greedy" if kind == "decoder" else "hungarian")):
+        pred = "" if j is None else preds[j]
         rows.append({"model": kind, "defence": defence, "attack": attack, "reference": ref, "prediction": pred,
                      "reference_tokens": tokenizer.tokenize(ref), "prediction_tokens": tokenizer.tokenize(pred)})
     return rows

@@ -1,0 +1,351 @@
+"""Flood kernel benchmark (issue 3): fused Triton kernels vs the PyTorch reference, eager and
+``torch.compile``d, against the copy-bandwidth floor measured in the same run.
+
+    python benchmarks/kernels.py [--out DIR] [--skip-compile] [--only NAME ...]
+
+floor = (bytes of the gradient read once + written once) / measured device-to-device copy
+bandwidth (copy bandwidth counts bytes read + bytes written). Times are medians of
+``triton.testing.do_bench`` (L2 flushed between calls); calls slower than 0.2 s are timed twice
+with CUDA events instead. Writes ``kernels-<card>.json`` to --out (default benchmarks/results).
+
+Rows cases use an embedding gradient with the rows of one batch of 4096 random tokens active
+(`sparse`: what a step produces; the fused kernel re-reads only those rows) and, as the worst
+case, every row active (`dense`: one extra read of G). Grouped cases flood MLP weights in place
+with the preset's rho = 0 (G read once for mean|G|, never re-read) and lam = sqrt(pi/2), which
+keeps mean|G| fixed across repeated in-place calls (timing does not depend on lam).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "python")]
+
+import triton  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+
+import aegis_kernels  # noqa: E402,F401  (registers the CUDA kernels)
+from aegis_kernels import reference as ref  # noqa: E402
+from aegis_kernels import triton_flood as TF  # noqa: E402
+
+TAU, SEED = 0.01, 0x5EED_1234_5678
+LAM_STATIONARY = math.sqrt(math.pi / 2)
+
+
+def card_name() -> str:
+    name = torch.cuda.get_device_name()
+    for short in ("h200", "h100", "a100", "l40s", "b200"):
+        if short in name.lower():
+            return short
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def timed(fn) -> float:
+    """Median ms of fn on the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    once = start.elapsed_time(end)
+    if once > 200.0:  # eager reference on the big cases: two more calls are enough
+        times = []
+        for _ in range(2):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times + [once])[1]
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read + bytes written."""
+    n = 1 << 28  # 1 GiB of fp32
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 4 / (ms * 1e-3)
+
+
+def rows_grad(V: int, D: int, dtype, active: str) -> tuple[torch.Tensor, float]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if active == "dense":
+        return torch.randn(V, D, device="cuda", generator=gen).to(dtype), 1.0
+    # a tied embedding/LM-head gradient: small dense values everywhere, the batch's tokens large
+    g = 1e-4 * torch.randn(V, D, device="cuda", generator=gen)
+    tokens = torch.randint(0, V, (4096,), device="cuda", generator=gen).unique()
+    g[tokens] += torch.randn(tokens.numel(), D, device="cuda", generator=gen)
+    return g.to(dtype), tokens.numel() / V
+
+
+def profile_kernels(fn, iters: int = 5) -> dict[str, float]:
+    """Mean device ms per call of each kernel launched by fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None)
+        if t is None:
+            t = getattr(evt, "cuda_time_total", 0.0)
+        if t and ("kernel" in evt.key or evt.key.startswith("_")):
+            out[evt.key] = round(t / iters / 1e3, 4)
+    return out
+
+
+COMPILE_ONLY = False
+DYNAMIC = None  # torch.compile's default: static first, dynamic after a shape changes
+
+
+def bench_rows(name, V, D, dtype, active, compile_ref: bool, extra: bool) -> dict:
+    g, frac = rows_grad(V, D, dtype, active)
+    elem = g.element_size()
+    floor_bytes = 2 * g.numel() * elem
+    res = {"name": name, "kind": "rows", "shape": [V, D], "dtype": str(dtype).replace("torch.", ""),
+           "active_rows": frac, "rho": 0.3, "lam": 1.0, "floor_bytes": floor_bytes,
+           "est_bytes_fused": floor_bytes + frac * g.numel() * elem + 4 * 4 * V}
+    if COMPILE_ONLY:
+        res["compile_ms"] = bench_compiled(lambda f: f(g, "rows", 0.3, 1.0, TAU, _seed_t(), 0), res)
+        return res
+    fused = lambda: torch.ops.aegis.flood(g, "rows", 0.3, 1.0, TAU, SEED, 0)  # noqa: E731
+    res["fused_ms"] = timed(fused)
+    print(f"  {name}: fused {res['fused_ms']:.4f} ms", flush=True)
+    if extra:
+        try:
+            res["fused_graph_ms"] = do_bench_cudagraph(fused, rep=100, return_mode="median")
+        except Exception as exc:  # noqa: BLE001
+            res["fused_graph_error"] = repr(exc)[:300]
+        TF.FAST_MATH = False  # the accurate libdevice log/sin/cos, for the record
+        try:
+            res["fused_accurate_ms"] = timed(fused)
+        finally:
+            TF.FAST_MATH = True
+        try:
+            res["kernels_ms"] = profile_kernels(fused)
+        except Exception as exc:  # noqa: BLE001
+            res["profile_error"] = repr(exc)[:300]
+    res["eager_ms"] = timed(lambda: ref.flood(g, "rows", 0.3, 1.0, TAU, SEED, 0))
+    print(f"  {name}: eager {res['eager_ms']:.4f} ms", flush=True)
+    torch.cuda.empty_cache()
+    if compile_ref:
+        res["compile_ms"] = bench_compiled(lambda f: f(g, "rows", 0.3, 1.0, TAU, _seed_t(), 0), res)
+    del g
+    torch.cuda.empty_cache()
+    return res
+
+
+_COMPILED = {}
+
+
+def _seed_t():
+    return torch.tensor(SEED, device="cuda")
+
+
+def bench_compiled(call, res) -> float | None:
+    """torch.compile of the reference (dynamic shapes: one compile serves several sizes)."""
+    f = _COMPILED.setdefault("flood", torch.compile(ref.flood, dynamic=DYNAMIC))
+    try:
+        t0 = time.time()
+        call(f)
+        torch.cuda.synchronize()
+        res["compile_first_call_s"] = round(time.time() - t0, 1)
+        return timed(lambda: call(f))
+    except Exception as exc:  # noqa: BLE001
+        res["compile_error"] = repr(exc)[:300]
+        return None
+
+
+def bench_grouped(name, shapes, dtype, compile_ref: bool, extra: bool) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    grads = [torch.randn(s, device="cuda", generator=gen).to(dtype) for s in shapes]
+    n = sum(g.numel() for g in grads)
+    elem = grads[0].element_size()
+    k = len(grads)
+    modes, rhos, lams = ",".join(["matrix"] * k), [0.0] * k, [LAM_STATIONARY] * k
+    res = {"name": name, "kind": "grouped matrix (in place)", "tensors": k, "elements": n,
+           "dtype": str(dtype).replace("torch.", ""), "rho": 0.0, "lam": LAM_STATIONARY,
+           "floor_bytes": 2 * n * elem, "est_bytes_fused": 2 * n * elem}
+    fused = lambda: torch.ops.aegis.flood_(grads, modes, rhos, lams, TAU, SEED)  # noqa: E731
+    res["fused_ms"] = timed(fused)
+    if extra:
+        try:
+            res["fused_graph_ms"] = do_bench_cudagraph(fused, rep=100, return_mode="median")
+        except Exception as exc:  # noqa: BLE001
+            res["fused_graph_error"] = repr(exc)[:300]
+        try:
+            res["kernels_ms"] = profile_kernels(fused, iters=2)
+        except Exception as exc:  # noqa: BLE001
+            res["profile_error"] = repr(exc)[:300]
+    res["eager_ms"] = timed(lambda: ref.flood_many_(grads, ["matrix"] * k, rhos, lams, TAU, SEED))
+    torch.cuda.empty_cache()
+    if compile_ref:
+        offsets = ref.stream_offsets([g.numel() for g in grads])
+
+        def call(f):
+            seed = _seed_t()
+            for g, off in zip(grads, offsets):
+                out, _ = f(g.view(-1), "matrix", 0.0, LAM_STATIONARY, TAU, seed, off)
+                g.copy_(out.view_as(g))
+
+        res["compile_ms"] = bench_compiled(call, res)
+    del grads
+    torch.cuda.empty_cache()
+    return res
+
+
+def gpt2_mlp():
+    shapes = []
+    for _ in range(12):  # GPT-2 small: Conv1D c_fc [768, 3072], c_proj [3072, 768] and biases
+        shapes += [(768, 3072), (3072,), (3072, 768), (768,)]
+    return shapes
+
+
+def llama7b_mlp():
+    return [(11008, 4096), (11008, 4096), (4096, 11008)] * 32  # gate, up, down
+
+
+CASES = {
+    "rows-50257x768-fp32": lambda c, x: bench_rows("rows-50257x768-fp32", 50257, 768, torch.float32, "sparse", c, x),
+    "rows-50257x768-fp32-dense": lambda c, x: bench_rows("rows-50257x768-fp32-dense", 50257, 768, torch.float32, "dense", c, x),
+    "rows-32000x4096-bf16": lambda c, x: bench_rows("rows-32000x4096-bf16", 32000, 4096, torch.bfloat16, "sparse", c, x),
+    "rows-32000x4096-bf16-dense": lambda c, x: bench_rows("rows-32000x4096-bf16-dense", 32000, 4096, torch.bfloat16, "dense", c, x),
+    "rows-128256x4096-bf16": lambda c, x: bench_rows("rows-128256x4096-bf16", 128256, 4096, torch.bfloat16, "sparse", c, x),
+    "grouped-gpt2-mlp-fp32": lambda c, x: bench_grouped("grouped-gpt2-mlp-fp32", gpt2_mlp(), torch.float32, c, x),
+    "grouped-llama7b-mlp-bf16": lambda c, x: bench_grouped("grouped-llama7b-mlp-bf16", llama7b_mlp(), torch.bfloat16, c, x),
+}
+
+
+KNOBS = ("_ROWS_TILE1", "_ROWS_WARPS1", "_ROWS_TILE2", "_ROWS_WARPS", "_ROW_SPLIT", "_ROWS_BD2", "_ROWS_WARPS2",
+         "_SUM_BLOCK", "_SUM_ITERS", "_SUM_UNROLL", "_FLOOD_BLOCK", "_FLOOD_ITERS", "_PIPE_WARPS", "_PIPE_CHUNKS")
+
+
+def sweep() -> list[dict]:
+    """Block/warp variants of the fused kernels on the bar cases (whole op timed; {} = defaults)."""
+    out = []
+    saved = {k: getattr(TF, k) for k in KNOBS}
+
+    def run(case, fn, **knobs):
+        for key, value in knobs.items():
+            setattr(TF, key, value)
+        TF._TABLES.clear()
+        try:
+            out.append({"case": case, **{k.strip("_").lower(): v for k, v in knobs.items()}, "ms": timed(fn)})
+        except Exception as exc:  # noqa: BLE001
+            out.append({"case": case, **knobs, "error": repr(exc)[:200]})
+        print(json.dumps(out[-1]), flush=True)
+        for key, value in saved.items():
+            setattr(TF, key, value)
+        TF._TABLES.clear()
+
+    try:
+        g, _ = rows_grad(50257, 768, torch.float32, "sparse")
+        f = lambda: torch.ops.aegis.flood(g, "rows", 0.3, 1.0, TAU, SEED, 0)  # noqa: E731
+        c = "rows 50257x768 fp32"
+        run(c, f)
+        run(c, f, _ROWS_WARPS2=2)
+        run(c, f, _ROWS_TILE1=4096, _ROWS_WARPS1=8)
+        run(c, f, _ROW_SPLIT=1024)
+        del g
+        g, _ = rows_grad(32000, 4096, torch.bfloat16, "sparse")
+        f = lambda: torch.ops.aegis.flood(g, "rows", 0.3, 1.0, TAU, SEED, 0)  # noqa: E731
+        c = "rows 32000x4096 bf16"
+        run(c, f)
+        run(c, f, _ROWS_BD2=1024, _ROWS_WARPS2=2)
+        run(c, f, _ROWS_TILE1=4096, _ROWS_WARPS1=8)
+        del g
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        grads = [torch.randn(s, device="cuda", generator=gen).to(torch.bfloat16) for s in llama7b_mlp()[:24]]
+        k = len(grads)
+        f = lambda: torch.ops.aegis.flood_(grads, ",".join(["matrix"] * k), [0.0] * k, [LAM_STATIONARY] * k, TAU, SEED)  # noqa: E731
+        c = "grouped llama mlp bf16 x24"
+        run(c, f)
+        run(c, f, _PIPE_CHUNKS=1)
+        run(c, f, _PIPE_CHUNKS=8)
+        del grads
+    finally:
+        for key, value in saved.items():
+            setattr(TF, key, value)
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time block/warp variants")
+    ap.add_argument("--compile-only", action="store_true", help="only torch.compile of the reference")
+    ap.add_argument("--compile-grouped", action="store_true", help="also torch.compile the grouped reference")
+    args = ap.parse_args()
+    global COMPILE_ONLY
+    COMPILE_ONLY = args.compile_only
+    assert torch.cuda.is_available(), "the kernel benchmark needs a CUDA device"
+    card = card_name()
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()} | copy bandwidth {bw / 1e12:.3f} TB/s (read+write)", flush=True)
+    results = []
+    sweeps = sweep() if args.sweep and not COMPILE_ONLY else []
+    for name, run in CASES.items():
+        if args.only and name not in args.only:
+            continue
+        extra = not name.endswith("-dense")
+        t0 = time.time()
+        try:
+            want = not args.skip_compile and not name.endswith("-dense") and (name.startswith("rows") or args.compile_grouped)
+            if COMPILE_ONLY and not want:
+                continue
+            res = run(want, extra)
+        except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
+            res = {"name": name, "error": repr(exc)[:500]}
+        res["floor_ms"] = res["floor_bytes"] / bw * 1e3 if "floor_bytes" in res else None
+        for key in ("fused", "fused_graph", "fused_accurate", "eager", "compile"):
+            if res.get(f"{key}_ms") and res.get("floor_ms"):
+                res[f"{key}_x_floor"] = res[f"{key}_ms"] / res["floor_ms"]
+        if res.get("compile_ms") and res.get("fused_ms"):
+            res["compile_over_fused"] = res["compile_ms"] / res["fused_ms"]
+        res["wall_s"] = round(time.time() - t0, 1)
+        results.append(res)
+        print(json.dumps(res), flush=True)
+        doc = {  # rewritten after every case, so a run cut short keeps what it measured
+            "device": torch.cuda.get_device_name(), "card": card, "copy_bandwidth_Bps": bw,
+            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "fast_math": TF.FAST_MATH, "method": __doc__, "results": results, "sweep": sweeps,
+        }
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"kernels-{card}.json").write_text(json.dumps(doc, indent=1))
+    f = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    print(f"\n{torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s; ms (x floor)")
+    print(f"{'case':30s} {'active':>6s} {'floor':>8s} {'fused':>15s} {'graph':>15s} {'eager':>17s} {'compile':>17s} {'cmp/fused':>9s}")
+    for r in results:
+        if "error" in r and "fused_ms" not in r:
+            print(f"{r['name']:30s} ERROR {r['error'][:80]}")
+            continue
+        cell = lambda k: f"{f(r.get(k + '_ms'))} ({f(r.get(k + '_x_floor'), 2)})"  # noqa: E731
+        print(f"{r['name']:30s} {f(r.get('active_rows', 1.0), 3):>6s} {f(r['floor_ms']):>8s} {cell('fused'):>15s} "
+              f"{cell('fused_graph'):>15s} {cell('eager'):>17s} {cell('compile'):>17s} {f(r.get('compile_over_fused'), 1):>9s}")
+
+
+if __name__ == "__main__":
+    main()
