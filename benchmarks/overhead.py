@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--models", default="", help="comma-separated subset of model names")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--baseline-steps", type=int, default=20,
+                        help="timed steps for DP-SGD, pruning and Soteria (5 warm-up): they are 2-20x slower")
     parser.add_argument("--no-cuda-graph", action="store_true", help="skip the CUDA-graph rows (GPT-2 only)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for overhead-<card>.json")
     args = parser.parse_args(argv)
@@ -189,8 +191,9 @@ def main(argv: list[str] | None = None) -> Path:
             continue
         base = None
         for name in args.defences.split(","):
+            slow = name not in ("none", "aegis-paper") and not args.quick
             try:
-                result = run_one(setting, name, device, warmup, steps)
+                result = run_one(setting, name, device, 5 if slow else warmup, args.baseline_steps if slow else steps)
             except torch.OutOfMemoryError as err:
                 result = {"error": f"out of memory: {str(err).splitlines()[0]}"}
                 gc.collect()
