@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> Path:
     warmup, steps = (1, 3) if args.quick else (args.warmup, args.steps)
     card = torch.cuda.get_device_name().replace(" ", "-") if device.type == "cuda" else "cpu"
     rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"overhead-{card}.json"
     for setting in settings(args.quick):
         if args.models and setting.model not in args.models.split(","):
             continue
@@ -224,9 +226,9 @@ def main(argv: list[str] | None = None) -> Path:
                     if base:
                         result["time_ratio_vs_eager_none"] = result["median_s"] / base["median_s"]
                 rows.append(_row(setting, name, result))
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"overhead-{card}.json"
-    out.write_text(json.dumps({"card": card, "torch": torch.__version__, "warmup": warmup, "steps": steps, "rows": rows}, indent=1))
+        # Written after every setting, so a run cut short still leaves its numbers.
+        meta = {"card": card, "torch": torch.__version__, "warmup": warmup, "steps": steps, "baseline_steps": args.baseline_steps}
+        out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     print(f"wrote {out}")
     return out
 
