@@ -72,7 +72,7 @@ def default_decoder(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name is not None:
-        model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(name).float()
         tok = AutoTokenizer.from_pretrained(name)
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
@@ -130,24 +130,25 @@ def default_encoder(num_labels: int = 2, *, name: str | None = None, seed: int =
     from transformers.utils import logging
 
     path = str(minilm_path()) if name is None else name
-    verbosity = logging.get_verbosity()
+    verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
     logging.set_verbosity_error()  # the freshly initialised classifier head is expected, not a problem
+    logging.disable_progress_bar()
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=num_labels, torch_dtype=torch.float32
-            )
+            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels).float()
     finally:
         logging.set_verbosity(verbosity)
+        if bar:
+            logging.enable_progress_bar()
     tok = minilm_tokenizer() if name is None else AutoTokenizer.from_pretrained(path)
     return model.eval(), tok
+
+
+_ENCODER_TYPES = {"bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "albert", "xlm-roberta"}
 
 
 def is_decoder(model: nn.Module) -> bool:
     """True for causal LMs (the default decoder, GPT-2, LLaMA …), False for encoders such as BERT."""
     cfg = model.config
     return bool(getattr(cfg, "is_decoder", False)) or cfg.model_type not in _ENCODER_TYPES
-
-
-_ENCODER_TYPES = {"bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "albert", "xlm-roberta"}

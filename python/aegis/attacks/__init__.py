@@ -1,0 +1,14 @@
+"""Gradient inversion attacks AEGIS is measured against (DESIGN §4).
+
+Every attack has the signature ``attack(model, grads, tokenizer, batch_size) -> list[str]``: the server's
+copy of the model, the gradient dict one client shared (``shared_gradient``), and the batch size. A missing
+or all-zero tensor means that channel is closed: an attack returns what it can, possibly ``[]``.
+"""
+from .dager import dager
+from .gradients import shared_gradient
+from .mlp_span import mlp_span
+from .spectral import spectral
+from .embedding_norm import embedding_norm
+from .tag import tag
+
+__all__ = ["shared_gradient", "dager", "mlp_span", "spectral", "embedding_norm", "tag"]

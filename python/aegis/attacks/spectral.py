@@ -1,0 +1,43 @@
+"""Adaptive denoiser for flooded gradients: span attacks on what survives the Marchenko–Pastur edge.
+
+A flooded matrix is rho*G + sigma*Z with G of rank N (one row-space direction per input vector). The
+singular values of sigma*Z fill a bulk that ends at sigma*(sqrt(m) + sqrt(n)); signal directions strong
+enough to stick out above that edge keep (a perturbed copy of) their span direction. So: estimate sigma
+from the median singular value (MP median law), keep the directions above the edge, and run the span
+tests on that subspace. Residuals of true inputs are no longer ~0, so candidates are accepted as robust
+low outliers of their pool instead of by an absolute threshold.
+
+Channel: the first two blocks' attention projections when their gradients are present and carry
+signal above the edge (the DAGER pipeline), else the first block's MLP input projection (the
+``mlp_span`` pipeline).
+"""
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from .dager import attention_attack
+from .mlp_span import mlp_attack
+from .span import Outlier, layer_spans
+
+
+def spectral(
+    model: nn.Module,
+    grads: dict[str, Tensor],
+    tokenizer,
+    batch_size: int,
+    *,
+    z: float = 6.0,
+    max_len: int = 48,
+) -> list[str]:
+    """Reconstruct up to ``batch_size`` texts from noisy attention or MLP gradients.
+
+    ``z``: how many robust standard deviations below its pool a candidate's log-residual must lie.
+    ``max_len``: decoding stops there (noise can keep weak extensions alive; each step costs a scan)."""
+    attention = layer_spans(model, grads, "attention", (0, 1), "mp")
+    if all(span is not None for span, _ in attention):
+        rule = Outlier(z, top=batch_size)
+        return attention_attack(model, tokenizer, batch_size, attention, rule, rule, max_len, beam=2 * batch_size)
+    [(span, probe)] = layer_spans(model, grads, "mlp", (0,), "mp")
+    # Each prefix keeps its few best next tokens; the beam stays near B so noise cannot fan out.
+    rule = Outlier(z, top=2)
+    return mlp_attack(model, tokenizer, batch_size, span, probe, rule, max_len, beam=2 * batch_size)
