@@ -72,7 +72,7 @@ def test_numerical_span_is_the_input_span():
 
 
 def test_marchenko_pastur_span_keeps_only_directions_above_the_edge():
-    m, n, sigma = 1536, 384, 0.01
+    m, n, sigma = 768, 192, 0.01
     gen = torch.Generator().manual_seed(1)
     noise = sigma * torch.randn(m, n, generator=gen, dtype=torch.float64)
     assert noise_level(noise) == pytest.approx(sigma, rel=0.03)
@@ -94,6 +94,11 @@ def test_acceptance_rules():
     ok = Outlier(z=6, top=4)(pool)
     assert ok[0].nonzero().flatten().tolist() == [3, 7] and not ok[1].any()
     assert Outlier(z=6, top=1)(pool)[0].nonzero().flatten().tolist() == [3]
+    # Once exact, a sentence stays exact; noisy sentences are left to the outlier test.
+    assert Outlier().consistent([], 0.9) and Outlier().consistent([1e-6, 2e-6], 5e-4)
+    assert not Outlier().consistent([1e-6, 3e-6], 0.2)
+    assert Outlier().consistent([0.04, 0.3], 0.9)
+    assert Threshold(1e-3).consistent([1e-6], 0.5)
 
 
 def test_gradient_matrix_orientation_and_closed_channels(decoder):
@@ -132,7 +137,7 @@ def test_prefix_search_and_assembly():
             out.append((nxt, [0.0] * len(nxt)))
         return out
 
-    found = grow(extend, max_len=10, beam=8, exact=True)
+    found = grow(extend, max_len=10, beam=8, rule=Threshold(1e-3))
     assert sorted(f.ids for f in found) == sentences
     assert similar((1, 2, 3, 4), (1, 2, 3, 9)) and not similar((1, 2, 3, 4), (1, 2, 9, 9))
     picks = [Found((1, 2), 0.1, False), Found((9, 8, 7), 0.0, True), Found((1, 2), 0.05, False), Found((5,), 0.2, False)]

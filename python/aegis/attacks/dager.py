@@ -130,8 +130,7 @@ def _decoder(model, tokenizer, span1, probe1, span2, probe2, token_rule, sequenc
         ok &= torch.tensor([[not repeats(p, c) for c in pool] for p in prefixes], device=ok.device)
         return [([pool[j] for j in row.nonzero().flatten().tolist()], r[i, row].tolist()) for i, row in enumerate(ok)]
 
-    exact = token_rule.exact and sequence_rule.exact
-    return grow(extend, steps, beam, exact)
+    return grow(extend, steps, beam, sequence_rule)
 
 
 # -- bidirectional encoders ---------------------------------------------------------------------------

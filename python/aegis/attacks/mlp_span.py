@@ -35,6 +35,8 @@ def mlp_span(
     Exact span (numerical rank) and residual threshold ``tau``; returns [] if that gradient is missing,
     zero, or buried in noise (a flooded matrix has full numerical rank, clipped to d - 20, and then
     nothing is close to the span)."""
+    if not is_decoder(model):
+        return []  # see the module docstring: no tractable search for encoders
     [(span, probe)] = layer_spans(model, grads, "mlp", (0,), "numerical", rtol=rtol)
     return mlp_attack(model, tokenizer, batch_size, span, probe, Threshold(tau), max_len)
 
@@ -71,7 +73,7 @@ def mlp_attack(
         return out
 
     with torch.no_grad():
-        found = grow(extend, limit, beam or max(64, 8 * batch_size), exact=rule.exact)
+        found = grow(extend, limit, beam or max(64, 8 * batch_size), rule)
     return decode(tokenizer, assemble(found, batch_size))
 
 

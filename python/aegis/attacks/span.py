@@ -161,6 +161,9 @@ class Threshold:
     def __call__(self, residuals: Tensor) -> Tensor:
         return residuals < self.tau
 
+    def consistent(self, history: list[float], residual: float) -> bool:
+        return True
+
 
 @dataclass(frozen=True)
 class Outlier:
@@ -168,12 +171,20 @@ class Outlier:
     robust low outlier of their pool (the last dimension: a vocabulary scan or one prefix's candidates
     plus random reference tokens): z < -``z`` and residual < ``ratio`` * the pool's median (the
     vocabulary's heavy lower tail alone reaches z ~ -10), at most ``top`` per pool. Callers using it
-    also deflate candidates by their prefix (``Span.residual(known=...)``)."""
+    also deflate candidates by their prefix (``Span.residual(known=...)``).
+
+    A relative test always finds a "best" continuation, also after a sentence has ended. Where the flood
+    left the span intact (tiny lambda) a sentence's residuals are ~0, and ``consistent`` ends it at its
+    first step above ``exact_level`` (DAGER's sequence threshold): once exact, a sentence stays exact."""
 
     z: float = 6.0
     ratio: float = 0.6
     top: int = 4
+    exact_level: float = 1e-3
     exact = False
+
+    def consistent(self, history: list[float], residual: float) -> bool:
+        return not history or max(history) >= self.exact_level or residual < self.exact_level
 
     def __call__(self, residuals: Tensor) -> Tensor:
         s = residuals.clamp_min(1e-12).log()
@@ -258,12 +269,13 @@ class Found:
 Extend = Callable[[list[tuple[int, ...]]], list[tuple[list[int], list[float]]]]
 
 
-def grow(extend: Extend, max_len: int, beam: int, exact: bool) -> list[Found]:
+def grow(extend: Extend, max_len: int, beam: int, rule: Rule) -> list[Found]:
     """Causal decoding by prefix extension (attacks.md §1.6).
 
-    ``extend(prefixes)`` returns, per prefix, the accepted next tokens and their residuals. A prefix with
-    no accepted extension is a finished sentence; different batch sentences are different branches. At
-    most ``beam`` prefixes (lowest mean residual) survive a step, a guard against noise-driven blow-up."""
+    ``extend(prefixes)`` returns, per prefix, the next tokens ``rule`` accepted and their residuals. A
+    prefix with no accepted (and ``rule.consistent``) extension is a finished sentence; different batch
+    sentences are different branches. At most ``beam`` prefixes (lowest mean residual) survive a step,
+    a guard against noise-driven blow-up."""
     alive: list[tuple[tuple[int, ...], list[float]]] = [((), [])]
     done: list[Found] = []
     for _ in range(max_len):
@@ -271,11 +283,12 @@ def grow(extend: Extend, max_len: int, beam: int, exact: bool) -> list[Found]:
             break
         grown = []
         for (prefix, res), (tokens, scores) in zip(alive, extend([p for p, _ in alive])):
-            if not tokens and prefix:
-                done.append(Found(prefix, float(np.mean(res)), exact))
-            grown += [(prefix + (t,), res + [s]) for t, s in zip(tokens, scores)]
+            kept = [(prefix + (t,), res + [s]) for t, s in zip(tokens, scores) if rule.consistent(res, s)]
+            if not kept and prefix:
+                done.append(Found(prefix, float(np.mean(res)), rule.exact))
+            grown += kept
         alive = sorted(grown, key=lambda item: float(np.mean(item[1])))[:beam]
-    return done + [Found(p, float(np.mean(r)), exact) for p, r in alive if p]
+    return done + [Found(p, float(np.mean(r)), rule.exact) for p, r in alive if p]
 
 
 def repeats(prefix: Sequence[int], token: int) -> bool:
@@ -305,4 +318,6 @@ def assemble(found: Iterable[Found], batch_size: int) -> list[tuple[int, ...]]:
 
 
 def decode(tokenizer, sequences: Iterable[Sequence[int]]) -> list[str]:
-    return [tokenizer.decode(list(ids), skip_special_tokens=True).strip() for ids in sequences]
+    """Texts without special tokens; a sequence of nothing but special tokens is no reconstruction."""
+    texts = (tokenizer.decode(list(ids), skip_special_tokens=True).strip() for ids in sequences)
+    return [text for text in texts if text]

@@ -35,8 +35,10 @@ def spectral(
     ``max_len``: decoding stops there (noise can keep weak extensions alive; each step costs a scan)."""
     attention = layer_spans(model, grads, "attention", (0, 1), "mp")
     if all(span is not None for span, _ in attention):
-        rule = Outlier(z, top=batch_size)
-        return attention_attack(model, tokenizer, batch_size, attention, rule, rule, max_len, beam=2 * batch_size)
+        # Block 1's token filter stays wide (absolute positions blur between nearby positions); block 2
+        # picks the continuation.
+        tokens, sequences = Outlier(z, top=max(8, 4 * batch_size)), Outlier(z, top=batch_size)
+        return attention_attack(model, tokenizer, batch_size, attention, tokens, sequences, max_len, beam=2 * batch_size)
     [(span, probe)] = layer_spans(model, grads, "mlp", (0,), "mp")
     # Each prefix keeps its few best next tokens; the beam stays near B so noise cannot fan out.
     rule = Outlier(z, top=2)
