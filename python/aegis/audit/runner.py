@@ -35,6 +35,7 @@ DEFENCES = (
     "soteria-80",
 )
 MODELS = ("decoder", "encoder")
+QUICK_DEFENCES = ("none", "aegis-paper", "aegis-utility", "dp-noise-0.01", "dp-sgd-C1-z1", "prune-90", "soteria-80")
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,9 @@ class AuditConfig:
 
     @staticmethod
     def quick(**changes) -> "AuditConfig":
-        return AuditConfig(**{"models": ("decoder",), "rounds": 2, "batch_size": 2, "attack_rounds": 1, **changes})
+        # One setting per baseline family keeps every family in the report.
+        base = {"models": ("decoder",), "defences": QUICK_DEFENCES, "rounds": 2, "batch_size": 2, "attack_rounds": 1}
+        return AuditConfig(**{**base, **changes})
 
     def __post_init__(self) -> None:
         for name, values, allowed in (("models", self.models, MODELS), ("attacks", self.attacks, ATTACKS)):
