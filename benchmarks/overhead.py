@@ -25,7 +25,10 @@ import transformers as T
 from aegis.baselines import make_defence
 
 RESULTS = Path(__file__).parent / "results"
-DEFENCES = ("none", "aegis-paper", "dp-sgd-C1-z1", "prune-90", "soteria-80")
+# "+eager-flood": AEGIS with its flood launched kernel by kernel (AegisConfig.cuda_graph=False), to
+# show what the default graph replay of the flood saves on launch-bound steps.
+EAGER_FLOOD = "+eager-flood"
+DEFENCES = ("none", "aegis-paper", "aegis-paper" + EAGER_FLOOD, "dp-sgd-C1-z1", "prune-90", "soteria-80")
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,9 @@ def sync(device: torch.device) -> None:
 
 def run_one(setting: Setting, defence_name: str, device: torch.device, warmup: int, steps: int) -> dict:
     model, batch = build(setting, device)
-    defence = make_defence(defence_name)
+    defence = make_defence(defence_name.removesuffix(EAGER_FLOOD))
+    if defence_name.endswith(EAGER_FLOOD):
+        defence.config = defence.config.replace(cuda_graph=False)
     optimizer_holder = {}
 
     def loss_fn(m, b):
@@ -180,6 +185,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--baseline-steps", type=int, default=20,
                         help="timed steps for DP-SGD, pruning and Soteria (5 warm-up): they are 2-20x slower")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of undefended and AEGIS runs (each a fresh model); medians are combined")
     parser.add_argument("--no-cuda-graph", action="store_true", help="skip the CUDA-graph rows (GPT-2 only)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for overhead-<card>.json")
     args = parser.parse_args(argv)
@@ -192,19 +199,18 @@ def main(argv: list[str] | None = None) -> Path:
     for setting in settings(args.quick):
         if args.models and setting.model not in args.models.split(","):
             continue
-        base = None
-        for name in args.defences.split(","):
-            slow = name not in ("none", "aegis-paper") and not args.quick
-            try:
-                result = run_one(setting, name, device, 5 if slow else warmup, args.baseline_steps if slow else steps)
-            except torch.OutOfMemoryError as err:
-                result = {"error": f"out of memory: {str(err).splitlines()[0]}"}
-                gc.collect()
-                torch.cuda.empty_cache()
-            except Exception as err:  # a baseline that cannot handle a model is reported, not fatal
-                result = {"error": f"{type(err).__name__}: {err}"[:300]}
-            if name == "none" and "error" not in result:
-                base = result
+        names = args.defences.split(",")
+        runs = {name: [] for name in names}
+        for repeat in range(args.repeats):  # rounds of all defences: drift hits each the same
+            for name in names:
+                slow = not name.startswith(("none", "aegis")) and not args.quick
+                if not slow or repeat == 0:
+                    runs[name].append(_measure(setting, name, device, 5 if slow else warmup,
+                                               args.baseline_steps if slow else steps))
+        results = {name: _combine(r) for name, r in runs.items()}
+        base = results.get("none")
+        base = None if base is None or "error" in base else base
+        for name, result in results.items():
             if base and "error" not in result:
                 result |= {
                     "time_ratio": result["median_s"] / base["median_s"],
@@ -233,6 +239,27 @@ def main(argv: list[str] | None = None) -> Path:
     return out
 
 
+def _measure(setting: Setting, name: str, device: torch.device, warmup: int, steps: int) -> dict:
+    try:
+        return run_one(setting, name, device, warmup, steps)
+    except torch.OutOfMemoryError as err:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return {"error": f"out of memory: {str(err).splitlines()[0]}"}
+    except Exception as err:  # a baseline that cannot handle a model is reported, not fatal
+        return {"error": f"{type(err).__name__}: {err}"[:300]}
+
+
+def _combine(runs: list[dict]) -> dict:
+    """One row from repeated runs: the median of their median step times, the largest peak."""
+    errors = [r for r in runs if "error" in r]
+    if errors:
+        return errors[0]
+    medians = [r["median_s"] for r in runs]
+    out = {**runs[0], "median_s": statistics.median(medians), "peak_bytes": max(r["peak_bytes"] for r in runs)}
+    return out | ({"median_s_repeats": medians} if len(runs) > 1 else {})
+
+
 def _row(setting: Setting, defence: str, result: dict) -> dict:
     row = {**asdict(setting), "weights": str(setting.weights), "autocast": str(setting.autocast), "defence": defence, **result}
     print(format_row(row), flush=True)
@@ -240,7 +267,7 @@ def _row(setting: Setting, defence: str, result: dict) -> dict:
 
 
 def format_row(r: dict) -> str:
-    head = f"{r['model']:>11} b={r['batch']:<3} {r['defence']:>13}"
+    head = f"{r['model']:>11} b={r['batch']:<3} {r['defence']:>24}"
     if "error" in r:
         return f"{head}  {r['error']}"
     memory = "n/a" if r.get("memory_ratio") is None else f"{r['memory_ratio']:.3f}"

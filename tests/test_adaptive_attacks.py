@@ -125,24 +125,34 @@ SETTINGS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_paper_preset_every_attack_every_setting(setting):
-    """TAG (minutes per run) is checked on the B = 1 settings of the default decoder and encoder."""
+    """Mean over three flood seeds: an attack that outputs junk tokens matches a reference word now and
+    then (embedding_norm hit "not" once), so one seed is a noisy estimate. TAG (minutes per run) is
+    checked with seed 0 on the B = 1 settings of the default decoder and encoder."""
     build, size = SETTINGS[setting]
     model, tok = build()
     examples = EXAMPLES[:size]
     texts = [e.text for e in examples]
     encoder = setting.startswith("encoder")
     labels = [LABELS.index(e.label) for e in examples] if encoder else None
-    shield = aegis.protect(model, config=aegis.AegisConfig(preset="paper", seed=0))
-    grads = shared_gradient(model, texts, tok, shield=shield, labels=labels)
     alignment = "hungarian" if encoder else "greedy"
     attacks = {**SPAN_ATTACKS, "embedding_norm": embedding_norm}
     if setting in ("decoder-B1", "encoder-B1"):
         attacks["tag"] = tag
+    seeds = (0, 1, 2)
+    got = {name: [] for name in attacks}
+    null = {name: [] for name in attacks}
+    for seed in seeds:
+        shield = aegis.protect(model, config=aegis.AegisConfig(preset="paper", seed=seed))
+        grads = shared_gradient(model, texts, tok, shield=shield, labels=labels)
+        for name, attack in attacks.items():
+            if name == "tag" and seed:
+                continue
+            got[name].append(rouge(attack(model, grads, tok, size), texts, alignment)["rouge1"])
+            null[name].append(null_baseline(attack, model, grads, tok, size, texts, alignment=alignment, seed=seed)["rouge1"])
     failures = []
-    for name, attack in attacks.items():
-        got = rouge(attack(model, grads, tok, size), texts, alignment)["rouge1"]
-        null = null_baseline(attack, model, grads, tok, size, texts, alignment=alignment)["rouge1"]
-        print(f"{setting} {name}: ROUGE-1 {got:.3f} (null {null:.3f})")
-        if got > max(0.05, null + 0.05):
-            failures.append(f"{name}: {got:.3f} > max(0.05, {null:.3f} + 0.05)")
+    for name in attacks:
+        mean, null_mean = sum(got[name]) / len(got[name]), sum(null[name]) / len(null[name])
+        print(f"{setting} {name}: ROUGE-1 {mean:.3f} {[round(g, 3) for g in got[name]]} (null {null_mean:.3f})")
+        if mean > max(0.05, null_mean + 0.05):
+            failures.append(f"{name}: {mean:.3f} > max(0.05, {null_mean:.3f} + 0.05)")
     assert not failures, failures

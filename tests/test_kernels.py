@@ -106,6 +106,26 @@ def test_philox_words_are_bit_exact():
         assert torch.equal(words, expect)
 
 
+def _uniform_edge_words():
+    """Words whose folded value sits at, or one off, every rounding tie of the int -> fp32 conversion
+    (j = 2^k + m 2^(k-23) + 2^(k-24) +- 1 for k = 24..30), both signs, plus random words."""
+    folded = [0, 1, 2**16 - 1, 2**16, 2**23, 2**24 - 1, 2**24, 2**31 - 1]
+    for k in range(24, 31):
+        for m in (0, 1, 2, 2**22, 2**23 - 1):
+            tie = 2**k + m * 2 ** (k - 23) + 2 ** (k - 24)
+            folded += [tie - 1, tie, tie + 1]
+    folded = torch.tensor([j for j in folded if j < 2**31], dtype=torch.int64)
+    words = torch.cat([folded, 2**32 - 1 - folded])  # the negative int32 that folds to j
+    gen = torch.Generator().manual_seed(3)
+    return torch.cat([words, torch.randint(0, 2**32, (4099,), generator=gen, dtype=torch.int64)])
+
+
+def test_uniforms_are_bit_exact_at_rounding_ties():
+    """The kernels convert int -> fp32 by hand (exponent trick, one rounded sum): bit for bit I2F."""
+    words = _uniform_edge_words()
+    assert torch.equal(TF.uniform(words), ref._uniform(words))
+
+
 @pytest.mark.parametrize("offset", [0, 8, 4 * (2**32 - 3), 2**40 + 4])
 def test_noise_matches_reference_stream(offset):
     """Same Philox words and lanes; numpy's and torch's fp32 log/sin/cos differ by <= 2 ulp."""
@@ -322,6 +342,14 @@ def test_gpu_edge_cases():
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_uniforms_are_bit_exact_at_rounding_ties():
+    """The compiled exponent-trick conversion (the FMA may fuse its sum) equals I2F bit for bit."""
+    words = _uniform_edge_words()
+    assert torch.equal(TF.uniform(words.cuda()).cpu(), ref._uniform(words))
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_noise_stream():
     """Philox words bit-exact. log, sin and cos are the hardware approximations: sin/cos within
     2^-20.5 absolute, times r <= 5.7; lg2 within ~2^-22 absolute, which moves r^2 = -2 ln2 lg2 u
@@ -477,3 +505,71 @@ def test_gpu_shield_mask_is_graph_capturable():
         state[1] = step
         shield.mask_()  # eager, same state
         assert all(torch.equal(p.grad, r) for p, r in zip(params, got))
+
+
+def _tiny_gpt2_on_gpu():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=320, n_positions=32, n_embd=64, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg).cuda()
+    return model, torch.randint(0, 320, (2, 16), device="cuda")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_graphed_mask_equals_eager_and_replays():
+    """Default shield (cuda_graph=True): captured on the 2nd call with the same gradient addresses,
+    replayed after; every export bitwise equal to the eager op path's under the same seed, also when
+    the gradients move to new tensors and it falls back to eager, then recaptures."""
+    import aegis
+    from aegis.config import AegisConfig
+
+    model, ids = _tiny_gpt2_on_gpu()
+    graphed = aegis.protect(model, config=AegisConfig(seed=7))
+    eager = aegis.protect(model, config=AegisConfig(seed=7, cuda_graph=False))
+    exports, hold = [], []
+    for step in range(8):
+        model.zero_grad(set_to_none=False)  # gradients keep their addresses...
+        model(input_ids=ids, labels=ids).loss.backward()
+        if step == 4:  # ...except here: new tensors (the old ones kept alive, so addresses differ)
+            for p in model.parameters():
+                if p.grad is not None:
+                    hold.append(p.grad)
+                    p.grad = p.grad.clone()
+        clean = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        graphed.mask_()
+        got = graphed.export()
+        for n, p in model.named_parameters():
+            if n in clean:
+                p.grad.copy_(clean[n])
+        eager.mask_()
+        want = eager.export()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), step
+        exports.append(got)
+        if step == 2:
+            assert (graphed._graphed.captures, graphed._graphed.replays) == (1, 1)
+    # eager 0, capture 1, replay 2 3, eager 4 (new addresses), capture 5, replay 6 7
+    assert graphed._graphed.disabled is None and graphed._graphed.captures == 2 and graphed._graphed.replays == 4
+    name = "transformer.h.0.mlp.c_fc.weight"
+    assert not torch.equal(exports[2][name], exports[3][name])  # fresh noise on every replay
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_graphed_mask_secret_seed_is_fresh_per_replay():
+    import aegis
+
+    model, ids = _tiny_gpt2_on_gpu()
+    shield = aegis.protect(model)
+    model(input_ids=ids, labels=ids).loss.backward()
+    clean = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    outs = []
+    for _ in range(4):
+        for n, p in model.named_parameters():
+            if n in clean:
+                p.grad.copy_(clean[n])
+        shield.mask_()
+        outs.append(shield.export()["transformer.wte.weight"])
+    assert shield._graphed.replays == 2
+    diffs = [(outs[i] - outs[j]).abs().max().item() for i in range(4) for j in range(i)]
+    assert min(diffs) > 0  # no two steps share noise

@@ -149,6 +149,10 @@ class Aegis(Defence):
     def export(self) -> dict[str, Tensor]:
         return self._shield().export()
 
+    def report(self) -> dict[str, float]:
+        graphed = self._shield()._graphed
+        return {} if graphed is None else {"flood_graph_replays": graphed.replays, "flood_graph_captures": graphed.captures}
+
     def detach(self) -> None:
         if self.shield is not None:
             self.shield.remove()

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 import aegis_kernels
 
 from .config import AegisConfig
+from .flood_graph import GraphedFlood
 from .policy import ParamPlan, plan
 
 
@@ -64,6 +65,8 @@ class Shield:
         self._step = 0
         self._masked: list[tuple[weakref.ref | None, int]] | None = None
         self._state: Tensor | None = None
+        self._batches: dict[tuple[bool, ...], tuple[str, list[float], list[float]]] = {}
+        self._graphed: GraphedFlood | None = None
         self._hook = None
         if optimizer is not None:
             _drop_from_optimizer(optimizer, frozen)
@@ -73,23 +76,47 @@ class Shield:
     def mask_(self) -> None:
         """Flood every trainable gradient in place, one grouped ``flood_`` call (fresh secret seed)."""
         grads = [p.param.grad for p in self._flooded]
-        present = [(p, g) for p, g in zip(self._flooded, grads) if g is not None]
-        for p, g in present:
-            if g.layout != torch.strided:
-                raise ValueError(
-                    f"{p.name} has a sparse gradient: AEGIS floods dense gradients only; build the "
-                    "embedding with sparse=False (a sparse gradient would reveal the tokens it touches)"
-                )
-        tensors = [g for _, g in present]
-        modes = ",".join(p.treatment.kind for p, _ in present)
-        rhos = [p.treatment.rho for p, _ in present]
-        lams = [p.treatment.lam for p, _ in present]
+        tensors, modes, rhos, lams = self._batch(grads)
+        args = (tensors, modes, rhos, lams, self.config.rel_threshold)
         if self.config.device_seed:
-            torch.ops.aegis.flood_seeded_(tensors, modes, rhos, lams, self.config.rel_threshold, self._device_state(tensors))
+            torch.ops.aegis.flood_seeded_(*args, self._device_state(tensors))
+        elif self._graphable(tensors):
+            key = self.config.seed if self.config.seed is not None else secrets.randbits(aegis_kernels.reference.SEED_BITS)
+            self._graphed(*args, key, self._step)  # seed derive_seed(key, step), as _next_seed for a fixed seed
         else:
-            torch.ops.aegis.flood_(tensors, modes, rhos, lams, self.config.rel_threshold, self._next_seed())
+            torch.ops.aegis.flood_(*args, self._next_seed())
         self._step += 1
         self._masked = [(None, 0) if g is None else (weakref.ref(g), g._version) for g in grads]
+
+    def _batch(self, grads: list[Tensor | None]) -> tuple[list[Tensor], str, list[float], list[float]]:
+        """The flood_ arguments for the gradients present (cached per pattern of missing ones)."""
+        tensors = [g for g in grads if g is not None]
+        for g in tensors:
+            if g.layout != torch.strided:
+                name = next(p.name for p, q in zip(self._flooded, grads) if q is g)
+                raise ValueError(
+                    f"{name} has a sparse gradient: AEGIS floods dense gradients only; build the "
+                    "embedding with sparse=False (a sparse gradient would reveal the tokens it touches)"
+                )
+        pattern = tuple(g is not None for g in grads)
+        cached = self._batches.get(pattern)
+        if cached is None:
+            present = [p for p, g in zip(self._flooded, grads) if g is not None]
+            cached = (",".join(p.treatment.kind for p in present), [p.treatment.rho for p in present],
+                      [p.treatment.lam for p in present])
+            self._batches[pattern] = cached
+        return (tensors, *cached)
+
+    def _graphable(self, tensors: list[Tensor]) -> bool:
+        """CUDA-graph replay of the flood: on (config.cuda_graph), all on one GPU, not inside a capture."""
+        if not (self.config.cuda_graph and tensors and tensors[0].is_cuda):
+            return False
+        device = tensors[0].device
+        if any(t.device != device for t in tensors) or torch.cuda.is_current_stream_capturing():
+            return False
+        if self._graphed is None or self._graphed.state.device != device:
+            self._graphed = GraphedFlood(device)
+        return True
 
     def _next_seed(self) -> int:
         if self.config.seed is None:
