@@ -23,6 +23,7 @@ sys.path[:0] = [str(ROOT / "python")]
 
 import aegis  # noqa: E402
 from aegis.attacks import dager, embedding_norm, mlp_span, shared_gradient, spectral  # noqa: E402
+from aegis.attacks.embedding_norm import embedding_norm_leak  # noqa: E402
 from aegis.data import LABELS, load_corpus  # noqa: E402
 from aegis.metrics import null_baseline, rouge, token_recall  # noqa: E402
 from aegis.models import default_decoder, default_encoder  # noqa: E402
@@ -64,7 +65,13 @@ def main() -> None:
                 out = attack(model, grads, tok, size)
                 if name == "dager":
                     seconds.append(time.perf_counter() - start)
-                undefended[name].append({**rouge(out, texts, alignment), "token_recall": token_recall(out, texts, tok)})
+                scores = {**rouge(out, texts, alignment), "token_recall": token_recall(out, texts, tok)}
+                if name == "embedding_norm":  # the bag itself, before it is rendered as text and re-tokenised
+                    found = embedding_norm_leak(model, grads, size).tokens
+                    enc = tok(texts, padding=True)
+                    true = {i for row, mask in zip(enc["input_ids"], enc["attention_mask"]) for i, m in zip(row, mask) if m}
+                    scores["token_id_recall"] = len(set(found) & true) / len(true)
+                undefended[name].append(scores)
         texts = [e.text for e in batches[0]]
         labels = [LABELS.index(e.label) for e in batches[0]] if encoder else None
         defended = {name: [] for name in ATTACKS}
@@ -86,8 +93,9 @@ def main() -> None:
             if name == "dager":
                 row["dager_seconds_max"] = max(seconds)
             rows.append(row)
+            ids = f" (ids {mean['token_id_recall']:.3f})" if "token_id_recall" in mean else ""
             print(f"{setting:22s} {name:15s} undefended R1 {mean['rouge1']:.3f} R2 {mean['rouge2']:.3f} "
-                  f"recall {mean['token_recall']:.3f}   paper R1 {got:.3f} (null {null:.3f})", flush=True)
+                  f"recall {mean['token_recall']:.3f}{ids}   paper R1 {got:.3f} (null {null:.3f})", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "attacks.json"
     path.write_text(json.dumps({"batches": args.batches, "torch_threads": 2, "rows": rows}, indent=1))

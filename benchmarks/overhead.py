@@ -25,10 +25,10 @@ import transformers as T
 from aegis.baselines import make_defence
 
 RESULTS = Path(__file__).parent / "results"
-# "+eager-flood": AEGIS with its flood launched kernel by kernel (AegisConfig.cuda_graph=False), to
-# show what the default graph replay of the flood saves on launch-bound steps.
-EAGER_FLOOD = "+eager-flood"
-DEFENCES = ("none", "aegis-paper", "aegis-paper" + EAGER_FLOOD, "dp-sgd-C1-z1", "prune-90", "soteria-80")
+# Variants by suffix: "+keep-grads" zeroes gradients in place (zero_grad(set_to_none=False)) so they
+# keep their addresses; "+flood-graph" turns on AegisConfig.cuda_graph, whose replay needs that.
+KEEP_GRADS, FLOOD_GRAPH = "keep-grads", "flood-graph"
+DEFENCES = ("none", "aegis-paper", "dp-sgd-C1-z1", "prune-90", "soteria-80")
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_one(setting: Setting, defence_name: str, device: torch.device, warmup: int, steps: int) -> dict:
+def prepare(setting: Setting, defence_name: str, device: torch.device):
+    """(step, defence): one full training step of a fresh model under the named defence."""
     model, batch = build(setting, device)
-    defence = make_defence(defence_name.removesuffix(EAGER_FLOOD))
-    if defence_name.endswith(EAGER_FLOOD):
-        defence.config = defence.config.replace(cuda_graph=False)
-    optimizer_holder = {}
+    base, *flags = defence_name.split("+")
+    if set(flags) - {KEEP_GRADS, FLOOD_GRAPH}:
+        raise ValueError(f"{defence_name}: unknown variant; use +{KEEP_GRADS} and/or +{FLOOD_GRAPH}")
+    defence = make_defence(base)
+    if FLOOD_GRAPH in flags:
+        defence.config = defence.config.replace(cuda_graph=True)
 
     def loss_fn(m, b):
         with torch.autocast(device.type, dtype=setting.autocast, enabled=setting.autocast is not None):
@@ -96,11 +99,10 @@ def run_one(setting: Setting, defence_name: str, device: torch.device, warmup: i
     # AEGIS freezes attention before the optimizer sees it; others keep every parameter.
     defence.attach(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
-    optimizer_holder["opt"] = optimizer
     scaler = torch.amp.GradScaler(device.type, enabled=setting.autocast == torch.float16)
 
     def step():
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=KEEP_GRADS not in flags)
         loss = defence.backward(batch, lambda m, b: scaler.scale(loss_fn(m, b)))
         scaler.unscale_(optimizer)
         defence.defend_()
@@ -108,25 +110,53 @@ def run_one(setting: Setting, defence_name: str, device: torch.device, warmup: i
         scaler.update()
         return loss
 
+    return step, defence
+
+
+def timed_step(step, device: torch.device) -> float:
+    start = time.perf_counter()
+    step()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_one(setting: Setting, defence_name: str, device: torch.device, warmup: int, steps: int) -> dict:
+    step, defence = prepare(setting, defence_name, device)
     for _ in range(warmup):
         step()
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - start)
+    times = [timed_step(step, device) for _ in range(steps)]
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     payload = sum(t.numel() * 4 for t in defence.export().values())  # fp32 on the wire
     extra = defence.report()
-    del model, optimizer, defence, optimizer_holder
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    del step, defence
+    release(device)
     return {"median_s": statistics.median(times), "peak_bytes": peak, "payload_bytes": payload, **extra}
+
+
+def run_interleaved(setting: Setting, names: list[str], device: torch.device, warmup: int, steps: int) -> dict[str, dict]:
+    """Median step time of each defence, their models side by side and their steps taken in turn, so
+    host and clock drift (launch-bound steps vary 20 % between runs) hit every defence alike."""
+    prepared = {name: prepare(setting, name, device) for name in names}
+    for _ in range(warmup):
+        for step, _ in prepared.values():
+            step()
+    times = {name: [] for name in names}
+    for _ in range(steps):
+        for name, (step, _) in prepared.items():
+            times[name].append(timed_step(step, device))
+    out = {name: {"median_s": statistics.median(times[name]), **defence.report()} for name, (_, defence) in prepared.items()}
+    del prepared
+    release(device)
+    return out
 
 
 def run_graphed(setting: Setting, aegis_on: bool, device: torch.device, warmup: int, steps: int) -> dict:
@@ -181,12 +211,15 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--quick", action="store_true", help="tiny config on CPU, a few steps")
     parser.add_argument("--defences", default=",".join(DEFENCES))
     parser.add_argument("--models", default="", help="comma-separated subset of model names")
+    parser.add_argument("--batches", default="", help="comma-separated subset of batch sizes")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--baseline-steps", type=int, default=20,
                         help="timed steps for DP-SGD, pruning and Soteria (5 warm-up): they are 2-20x slower")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of undefended and AEGIS runs (each a fresh model); medians are combined")
+    parser.add_argument("--interleave", action="store_true",
+                        help="time undefended and AEGIS side by side, steps in turn (memory: all models at once)")
     parser.add_argument("--no-cuda-graph", action="store_true", help="skip the CUDA-graph rows (GPT-2 only)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for overhead-<card>.json")
     args = parser.parse_args(argv)
@@ -199,6 +232,8 @@ def main(argv: list[str] | None = None) -> Path:
     for setting in settings(args.quick):
         if args.models and setting.model not in args.models.split(","):
             continue
+        if args.batches and str(setting.batch) not in args.batches.split(","):
+            continue
         names = args.defences.split(",")
         runs = {name: [] for name in names}
         for repeat in range(args.repeats):  # rounds of all defences: drift hits each the same
@@ -208,6 +243,16 @@ def main(argv: list[str] | None = None) -> Path:
                     runs[name].append(_measure(setting, name, device, 5 if slow else warmup,
                                                args.baseline_steps if slow else steps))
         results = {name: _combine(r) for name, r in runs.items()}
+        fast = [n for n in names if n.startswith(("none", "aegis")) and "error" not in results[n]]
+        if args.interleave and len(fast) > 1:
+            try:
+                paired = run_interleaved(setting, fast, device, warmup, steps)
+            except torch.OutOfMemoryError:
+                release(device)
+            else:
+                for name, result in paired.items():
+                    results[name]["median_s_sequential"] = results[name]["median_s"]
+                    results[name] |= {"interleaved": True, **result}
         base = results.get("none")
         base = None if base is None or "error" in base else base
         for name, result in results.items():

@@ -400,6 +400,11 @@ def test_gpu_grouped_flood_equals_single_floods():
     TF.flood_(per_tensor, modes, rhos, lams, 0.01, 77, grouped=False)
     for a, b, c in zip(grads, per_tensor, clean):
         assert torch.equal(a, b) or c.data_ptr() % 16 != 0
+    # The same layout at new addresses (gradients re-allocated): cached plan and layout, new address table.
+    moved = [_same_layout(c) for c in clean]
+    torch.ops.aegis.flood_(moved, ",".join(modes), rhos, lams, 0.01, 77)
+    for a, b in zip(grads, moved):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
@@ -518,15 +523,15 @@ def _tiny_gpt2_on_gpu():
 @pytest.mark.gpu
 @gpu
 def test_gpu_graphed_mask_equals_eager_and_replays():
-    """Default shield (cuda_graph=True): captured on the 2nd call with the same gradient addresses,
+    """cuda_graph=True: captured on the 2nd call with the same gradient addresses,
     replayed after; every export bitwise equal to the eager op path's under the same seed, also when
     the gradients move to new tensors and it falls back to eager, then recaptures."""
     import aegis
     from aegis.config import AegisConfig
 
     model, ids = _tiny_gpt2_on_gpu()
-    graphed = aegis.protect(model, config=AegisConfig(seed=7))
-    eager = aegis.protect(model, config=AegisConfig(seed=7, cuda_graph=False))
+    graphed = aegis.protect(model, config=AegisConfig(seed=7, cuda_graph=True))
+    eager = aegis.protect(model, config=AegisConfig(seed=7))
     exports, hold = [], []
     for step in range(8):
         model.zero_grad(set_to_none=False)  # gradients keep their addresses...
@@ -560,7 +565,7 @@ def test_gpu_graphed_mask_secret_seed_is_fresh_per_replay():
     import aegis
 
     model, ids = _tiny_gpt2_on_gpu()
-    shield = aegis.protect(model)
+    shield = aegis.protect(model, config=aegis.AegisConfig(cuda_graph=True))
     model(input_ids=ids, labels=ids).loss.backward()
     clean = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     outs = []
@@ -573,3 +578,20 @@ def test_gpu_graphed_mask_secret_seed_is_fresh_per_replay():
     assert shield._graphed.replays == 2
     diffs = [(outs[i] - outs[j]).abs().max().item() for i in range(4) for j in range(i)]
     assert min(diffs) > 0  # no two steps share noise
+
+
+def test_group_tables_rebuild_only_addresses_when_gradients_move():
+    """zero_grad(set_to_none=True) moves gradients every step: the table's layout part is reused and
+    its address part is new; the table reads [addresses, numels, stream counters, first tiles]."""
+    a = [torch.zeros(3, 70000), torch.zeros(129)]
+    b = [t.clone() for t in a]
+    rhos, lams, cbases = [0.0, 0.3], [8.0, 4.0], [0, 52500]
+    meta_a, params_a, tiles_a, first, chunks, _ = TF._group_tables(a, rhos, lams, cbases)
+    meta_b, params_b, tiles_b, first_b, _, _ = TF._group_tables(b, rhos, lams, cbases)
+    assert meta_a.tolist() == [t.data_ptr() for t in a] + [210000, 129] + cbases + first
+    assert meta_b.tolist()[:2] == [t.data_ptr() for t in b] and meta_b.tolist()[2:] == meta_a.tolist()[2:]
+    assert params_b is params_a and tiles_b is tiles_a and first_b == first  # layout shared, not rebuilt
+    assert torch.equal(params_a, torch.tensor(rhos + lams))
+    assert tiles_a.tolist() == [0] * (first[1] - first[0]) + [1] * (first[2] - first[1])
+    assert chunks[0][0] == 0 and chunks[-1][1] == 2
+    assert TF._group_tables(a, rhos, lams, cbases)[0] is meta_a  # same addresses: cached table

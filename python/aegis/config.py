@@ -78,9 +78,11 @@ class AegisConfig:
                     ``aegis_kernels.derive_seed(s, k)``.
     device_seed:    keep the seed on the gradients' device and advance it there, so a captured CUDA
                     graph of ``mask_()`` draws fresh noise on every replay.
-    cuda_graph:     on CUDA, capture the grouped flood once as a CUDA graph and replay it while the
-                    gradients keep their addresses (one launch per step instead of ~20; the seed is
-                    still chosen on the host per step, so the noise equals the eager path's).
+    cuda_graph:     on CUDA, capture the grouped flood once as a CUDA graph and replay it whenever the
+                    gradients are back at addresses seen before (one launch per step instead of ~20;
+                    the seed is still chosen on the host per step, so the noise equals the eager
+                    path's). Pays off with ``zero_grad(set_to_none=False)``; with the default
+                    ``set_to_none=True`` the allocator moves gradients and every step runs eagerly.
     """
 
     preset: str | Mapping[str, Treatment] = "paper"
@@ -91,7 +93,7 @@ class AegisConfig:
     rel_threshold: float = 0.01
     seed: int | None = None
     device_seed: bool = False
-    cuda_graph: bool = True
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.preset, str) and self.preset not in PRESETS:
