@@ -20,32 +20,44 @@ def worst_rouge1(results: list[dict], model: str, defence: str) -> float:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """ROUGE-1 of the strongest attack against utility, one point per defence, one panel per model."""
+    """ROUGE-1 of the strongest attack against utility, one point per defence, one panel per model.
+
+    A legend names the points (text labels collide: undefended and a useless defence sit on top of
+    each other); AEGIS presets are stars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     models = sorted({u["model"] for u in report["utility"]})
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(7.5 * len(models), 4.8), squeeze=False)
+    markers = "osD^vPXh<>"
     for ax, model in zip(axes[0], models):
         utility = [u for u in report["utility"] if u["model"] == model]
         metric = "perplexity" if "perplexity" in utility[0] else "accuracy"
-        for u in utility:
+        others = 0
+        for i, u in enumerate(utility):
             y = worst_rouge1(report["results"], model, u["defence"])
-            is_aegis = u["defence"].startswith("aegis")
-            ax.scatter(u[metric], y, s=90 if is_aegis else 45, marker="*" if is_aegis else "o",
-                       color="tab:green" if is_aegis else "tab:gray" if u["defence"] == "none" else "tab:blue", zorder=3)
-            ax.annotate(u["defence"], (u[metric], y), textcoords="offset points", xytext=(5, 4), fontsize=8)
-        ax.axhline(BROKEN_ATTACK, color="tab:red", linestyle="--", linewidth=1)
-        ax.text(ax.get_xlim()[0], BROKEN_ATTACK + 0.015, "attack broken (ROUGE-1 ≤ 0.05)", color="tab:red", fontsize=8)
+            if u["defence"].startswith("aegis"):
+                style = {"marker": "*", "s": 220, "color": f"C{2 + 4 * (i % 2)}", "edgecolors": "black", "zorder": 4}
+            else:
+                style = {"marker": markers[others % len(markers)], "s": 70, "color": "tab:gray" if u["defence"] == "none"
+                         else f"C{[0, 1, 3, 4, 5, 7, 8, 9][others % 8]}", "zorder": 3, "alpha": 0.85}
+                others += 1
+            ax.scatter(u[metric], y, label=u["defence"], **style)
+        ax.axhline(BROKEN_ATTACK, color="tab:red", linestyle="--", linewidth=1, label="attack broken (ROUGE-1 ≤ 0.05)")
         if metric == "perplexity":
             ax.set_xscale("log")
+            ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(f"validation {metric}" + (" (lower is better)" if metric == "perplexity" else " (higher is better)"))
         ax.set_ylabel("ROUGE-1 of the strongest attack (lower is more private)")
-        ax.set_ylim(-0.03, 1.05)
+        ax.set_ylim(-0.04, 1.06)
         ax.set_title(f"{model}: privacy vs utility")
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
