@@ -44,3 +44,28 @@ def test_plot_and_html_show_what_they_claim(report_dir):
     undefended = [r for r in report["reconstructions"] if r["defence"] == "none" and r["attack"] == "dager"]
     assert undefended and all(html.escape(r["reference"]) in page for r in undefended)
     assert "class='hit'" in page  # the undefended reconstruction is coloured token by token
+
+
+@pytest.mark.slow
+def test_quick_audit_meets_the_bar(tmp_path):
+    """The full `aegis audit --quick` (every quick defence and attack): the issue's bar, under 3 minutes."""
+    import time
+
+    start = time.perf_counter()
+    result = CliRunner().invoke(app, ["audit", "--quick", "--out", str(tmp_path)], env={"COLUMNS": "200"})
+    elapsed = time.perf_counter() - start
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    rows = {(r["defence"], r["attack"]): r for r in report["results"]}
+    defences = {d for d, _ in rows}
+    assert {"none", "aegis-paper", "aegis-utility"} <= defences
+    assert any(d.startswith("dp-noise") for d in defences) and any(d.startswith("dp-sgd") for d in defences)
+    assert any(d.startswith("prune") for d in defences) and any(d.startswith("soteria") for d in defences)
+    assert rows["none", "dager"]["rouge1"] >= 0.90
+    for (defence, attack), row in rows.items():
+        if defence.startswith("aegis"):
+            assert row["rouge1"] <= 0.05, (defence, attack, row["rouge1"])
+    ppl = {u["defence"]: u["perplexity"] for u in report["utility"]}
+    assert ppl["aegis-utility"] <= 1.10 * ppl["none"], ppl
+    print(f"quick audit: {elapsed:.0f} s; perplexity {ppl}")
+    assert elapsed < 180

@@ -79,13 +79,25 @@ class Span:
         ``known`` (k, d): inputs already attributed (a prefix's own positions). Their span is projected out
         of ``x`` first, so a candidate cannot pass by resembling them; under noise, where nothing is
         exactly in the span, such look-alikes (e.g. repeats of earlier tokens) otherwise win."""
-        x = x.to(self.basis.device, torch.float64)
+        lead, d = x.shape[:-1], x.shape[-1]
+        x = x.reshape(-1, d)
+        q = None
         if known is not None and known.shape[0]:
-            q = torch.linalg.qr(known.to(x).T).Q
-            x = x - (x @ q) @ q.T
-        x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-        inside = (x @ self.basis.T).square().sum(-1)
-        return (1.0 - inside).clamp_min(0.0).sqrt()
+            q = torch.linalg.qr(known.to(self.basis.device, torch.float64).T).Q
+        out = torch.empty(x.shape[0], dtype=torch.float64, device=self.basis.device)
+        # Chunks of rows: a vocabulary scan is V x d, and float64 copies of it all at once cost more
+        # in page faults than the arithmetic.
+        for start in range(0, x.shape[0], _RESIDUAL_CHUNK):
+            xs = x[start : start + _RESIDUAL_CHUNK].to(self.basis.device, torch.float64)
+            if q is not None:
+                xs = xs - (xs @ q) @ q.T
+            norm2 = xs.square().sum(-1).clamp_min(1e-300)
+            inside = (xs @ self.basis.T).square().sum(-1) / norm2
+            out[start : start + _RESIDUAL_CHUNK] = (1.0 - inside).clamp_min(0.0).sqrt()
+        return out.reshape(lead)
+
+
+_RESIDUAL_CHUNK = 4096
 
 
 def build_span(

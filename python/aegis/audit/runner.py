@@ -194,16 +194,23 @@ def run_audit(config: AuditConfig, progress: Progress | None = None) -> dict[str
         evaluate = _evaluator(kind, tokenizer, validation, label_ids, config.max_eval)
         lr = config.decoder_lr if kind == "decoder" else config.encoder_lr
         null = {}
+        initial: list[tuple[dict[str, torch.Tensor], dict[str, float]]] = []  # every defence starts here
         for defence in config.defences:
             snapshots: list[dict[str, torch.Tensor]] = []
 
             def on_round(r: int, defence=defence) -> None:
                 progress.advance(f"{kind} · {defence} · round {r}/{config.rounds}")
 
-            def evaluate_and_keep(global_model: nn.Module) -> dict[str, float]:
+            def evaluate_and_keep(global_model: nn.Module, snapshots=snapshots) -> dict[str, float]:
                 # Called before round 1 and after each round: snapshot r is the model round r+1 starts from.
-                snapshots.append({n: p.detach().clone() for n, p in global_model.named_parameters()})
-                return evaluate(global_model)
+                state = {n: p.detach().clone() for n, p in global_model.named_parameters()}
+                snapshots.append(state)
+                if initial and len(snapshots) == 1 and all(torch.equal(v, initial[0][0][n]) for n, v in state.items()):
+                    return dict(initial[0][1])  # the same starting model: its utility is known
+                scores = evaluate(global_model)
+                if not initial:
+                    initial.append((state, scores))
+                return scores
 
             run = run_rounds(
                 model, client_batches, rounds=config.rounds, defence=defence, optimizer=config.optimizer, lr=lr,
