@@ -16,10 +16,7 @@ from aegis.attacks.embedding_norm import embedding_norm, embedding_norm_leak, em
 from aegis.metrics import null_gradient, rouge
 from aegis.models import default_decoder, default_encoder
 
-try:  # the public name once aegis.attacks/__init__.py exists
-    from aegis.attacks import shared_gradient
-except ImportError:  # pragma: no cover - package being written concurrently
-    from aegis.attacks.gradients import shared_gradient
+from aegis.attacks import shared_gradient
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog near the river bank",

@@ -13,10 +13,7 @@ from aegis.attacks.tag import tag, tag_tokens
 from aegis.metrics import null_gradient, rouge
 from aegis.models import minilm_tokenizer
 
-try:  # the public name once aegis.attacks/__init__.py exists
-    from aegis.attacks import shared_gradient
-except ImportError:  # pragma: no cover - package being written concurrently
-    from aegis.attacks.gradients import shared_gradient
+from aegis.attacks import shared_gradient
 
 SENTENCES = [
     "my password is blue sky",
