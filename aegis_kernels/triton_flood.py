@@ -2,14 +2,14 @@
 
 Raw ``@triton.jit`` kernels plus thin launchers (Liger-Kernel style). Judged against
 ``aegis_kernels.reference``; the noise stream is the one documented there (Philox4x32-10 keyed
-by the seed, counter (offset + i) // 4, four Box-Muller normals per counter), written here with
+by the seed, counter (offset + i) // 8, eight Box-Muller normals per counter), written here with
 our own uint32 helpers so it does not depend on the Triton version.
 
-Rows flood of a V x d gradient, four launches, no host sync:
-  1. ``_rows_norms_kernel``   row norms (fp32) + per-block max and non-finite flag (reads G once);
-  2. ``_rows_stats_kernel``   M, then the active set's partial sums and counts (reads V norms);
-  3. ``_rows_finish_kernel``  m_bar, sigma, |S|, M (one program, fixed order);
-  4. ``_rows_flood_kernel``   out = rho*G (active rows only: masked loads) + sigma*Z.
+Rows flood of a V x d gradient, three launches, no host sync:
+  1. ``_rows_norms_kernel``   row norms (fp32) + per-program max and non-finite flag (reads G once);
+  2. ``_rows_stats_kernel``   M, then the active set's partial sums and counts (reads V norms); its
+                              last program reduces them to m_bar, sigma, |S|, M in a fixed order;
+  3. ``_rows_flood_kernel``   out = rho*G (active rows only: masked loads) + sigma*Z.
 Matrix flood (any shape, and the grouped in-place ``flood_``):
   ``_matrix_pipe_kernel``  pass 1 (per-tile sum |G| + non-finite flag) of one set of tiles
                            interleaved with pass 2 (out = rho*G + sigma*Z; G is not read at all
@@ -51,9 +51,13 @@ PHILOX_KEY_A = tl.constexpr(0x9E3779B9)
 PHILOX_KEY_B = tl.constexpr(0xBB67AE85)
 PHILOX_ROUND_A = tl.constexpr(0xD2511F53)
 PHILOX_ROUND_B = tl.constexpr(0xCD9E8D57)
-UNIFORM_SCALE = tl.constexpr(4.6566127342e-10)
-TWO_PI = tl.constexpr(6.283185307179586)
-MIN_UNIFORM = tl.constexpr(1.0e-7)
+LANES = tl.constexpr(ref.LANES)  # normals per Philox counter
+ANGLE_BITS = tl.constexpr(ref.ANGLE_BITS)
+ANGLE_MASK = tl.constexpr((1 << ref.ANGLE_BITS) - 1)
+RADIUS_STEP = tl.constexpr(ref.RADIUS_STEP)
+RADIUS_HALF = tl.constexpr(ref.RADIUS_STEP / 2)
+ANGLE_STEP = tl.constexpr(ref.ANGLE_STEP)
+SQRT_2LN2 = tl.constexpr(1.1774100225154747)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 SEED_HI_MASK = tl.constexpr(0x3FFFFFFF)  # derive_seed keeps 62 bits
 
@@ -90,75 +94,87 @@ def _philox(k0, k1, c0, c1, c2, c3):
 
 
 @triton.jit
-def _fold31(x):
-    """uint32 -> [0, 2^31): the int32 i, or -i - 1 (= i ^ (i >> 31)) when negative."""
-    i = x.to(tl.int32, bitcast=True)
-    return i ^ (i >> 31)
+def _uniform(w):
+    """Radius uniform of a Philox word, as reference._uniform: its high 20 bits, (k + 1/2) 2^-20.
+
+    Exact in fp32 (21 significant bits): one I2F and one FMA, no rounding, never 0."""
+    return (w >> ANGLE_BITS).to(tl.float32) * RADIUS_STEP + RADIUS_HALF
 
 
 @triton.jit
-def _uniform(x):
-    """Triton's uint_to_uniform_float: uint32 -> [0, 1) with 31 bits."""
-    # I2F, the hardware conversion: doing it on the integer and FMA pipes (2^23 exponent trick on two
-    # halves) measured slower, 168 vs 139 us for 32000 x 4096 bf16 of noise on an H200: those pipes
-    # are the busier ones (benchmarks/noise_breakdown.py).
-    return _fold31(x).to(tl.float32) * UNIFORM_SCALE
+def _box_muller(w, scale, FAST: tl.constexpr):
+    """scale * (r cos th, r sin th) from one Philox word: radius from its high 20 bits, angle from
+    its low 12 (reference._box_muller).
 
-
-@triton.jit
-def _box_muller(x1, x2, scale, FAST: tl.constexpr):
-    """scale * (z1, z2) from two Philox words.
-
-    Exact form: scale * (r cos th, r sin th), the reference's sigma * Z bit for bit (with the
-    platform's log/sin/cos). FAST form: hardware lg2/sqrt/sin/cos with the constants folded
-    (-2 ln u = -2 ln2 lg2 u, th = (2 pi 2^-31) i, scale folded into r): same stream, each value
-    within the approximations' error.
+    Exact form: the reference's sigma * Z bit for bit (with the platform's log/sin/cos). FAST form:
+    hardware lg2/sqrt/sin/cos with the constants folded (r = sqrt(-lg2 u) * sqrt(2 ln 2) scale, the
+    product a per-program scalar): same stream, each value within the approximations' error.
+    |lg2 u| keeps a rounding of lg2 near u = 1 from ever giving a NaN.
     """
+    u = _uniform(w)
+    th = (w & ANGLE_MASK).to(tl.float32) * ANGLE_STEP
     if FAST:
-        u1 = tl.maximum(MIN_UNIFORM, _uniform(x1))
-        r = tl.sqrt(_libdevice.fast_log2f(u1) * -1.3862943611198906) * scale
-        th = _fold31(x2).to(tl.float32) * (TWO_PI * UNIFORM_SCALE)
+        r = tl.sqrt(tl.abs(_libdevice.fast_log2f(u))) * (scale * SQRT_2LN2)
         return r * _libdevice.fast_cosf(th), r * _libdevice.fast_sinf(th)
     else:
-        u1 = tl.maximum(MIN_UNIFORM, _uniform(x1))
-        th = TWO_PI * _uniform(x2)
-        r = tl.sqrt(-2.0 * tl.log(u1))
+        r = tl.sqrt(-2.0 * tl.log(u))
         return scale * (r * tl.cos(th)), scale * (r * tl.sin(th))
 
 
 @triton.jit
-def _normal4(k0, k1, c, scale, FAST: tl.constexpr):
-    """scale * four standard normals per int64 counter c (any shape): lanes 0..3 of the stream."""
+def _normals_of_words(x0, x1, x2, x3, scale, FAST: tl.constexpr):
+    """The eight lanes of a counter from its four words: word k gives lanes 2k and 2k + 1."""
+    z0, z1 = _box_muller(x0, scale, FAST)
+    z2, z3 = _box_muller(x1, scale, FAST)
+    z4, z5 = _box_muller(x2, scale, FAST)
+    z6, z7 = _box_muller(x3, scale, FAST)
+    return z0, z1, z2, z3, z4, z5, z6, z7
+
+
+@triton.jit
+def _normals(k0, k1, c, scale, FAST: tl.constexpr):
+    """scale * the eight standard normals of each int64 counter c (any shape): lanes 0..7."""
     cu = c.to(tl.uint64, bitcast=True)
     zero = tl.zeros(c.shape, tl.uint32)
     x0, x1, x2, x3 = _philox(k0, k1, cu.to(tl.uint32), (cu >> 32).to(tl.uint32), zero, zero)
-    z0, z1 = _box_muller(x0, x1, scale, FAST)
-    z2, z3 = _box_muller(x2, x3, scale, FAST)
-    return z0, z1, z2, z3
+    return _normals_of_words(x0, x1, x2, x3, scale, FAST)
 
 
 @triton.jit
-def _interleave4(z0, z1, z2, z3):
-    """[..., n] x4 -> [..., n, 4] (lane minor): element 4q + l takes lane l of counter q.
+def _interleave(z0, z1, z2, z3, z4, z5, z6, z7):
+    """[..., n] x8 -> [..., n, 8] (lane minor): element 8q + l takes lane l of counter q.
 
-    Tiles keep this [..., 4] shape for their loads and stores too, so each thread's four values
-    stay in its registers (no layout conversion through shared memory for 16-bit dtypes).
+    Nested joins put the leaf at path (outer o, middle m, inner i) at position 4i + 2m + o. Tiles
+    keep this [..., 8] shape for their loads and stores too, so each thread's eight values stay in
+    its registers (one 16-byte store per counter for 16-bit dtypes, no shared-memory shuffle).
     """
-    a = tl.join(tl.join(z0, z2), tl.join(z1, z3))
-    return tl.reshape(a, a.shape[:-2] + [4])
+    a = tl.join(tl.join(tl.join(z0, z4), tl.join(z2, z6)), tl.join(tl.join(z1, z5), tl.join(z3, z7)))
+    return tl.reshape(a, a.shape[:-3] + [8])
 
 
 @triton.jit
-def _quad(Q: tl.constexpr):
-    """[Q, 4] element offsets 4q + l of a flat 4-aligned tile."""
-    return 4 * tl.arange(0, Q)[:, None] + tl.arange(0, 4)[None, :]
+def _lanes(Q: tl.constexpr):
+    """[Q, 8] element offsets 8q + l of a flat 8-aligned tile."""
+    return LANES * tl.arange(0, Q)[:, None] + tl.arange(0, LANES)[None, :]
 
 
 @triton.jit
-def _noise_quads(k0, k1, c_start, scale, Q: tl.constexpr, FAST: tl.constexpr):
-    """scale * Z as [Q, 4] for 4Q consecutive elements whose first element opens counter c_start."""
-    z0, z1, z2, z3 = _normal4(k0, k1, c_start + tl.arange(0, Q), scale, FAST)
-    return _interleave4(z0, z1, z2, z3)
+def _noise_tile(k0, k1, c_start, scale, Q: tl.constexpr, FAST: tl.constexpr):
+    """scale * Z as [Q, 8] for 8Q consecutive elements whose first element opens counter c_start.
+
+    Counters (lo, hi, 0, 0): when no low word of the tile wraps, hi is the tile's, a scalar, and so
+    are Philox's first-round key word and second-round product (one IMAD.WIDE and a few 64-bit adds
+    fewer per counter, on the integer pipe that bounds the flood). Same words either way."""
+    cu = c_start.to(tl.uint64, bitcast=True)
+    lo0 = cu.to(tl.uint32)
+    if lo0 <= 0xFFFFFFFF - (Q - 1):
+        zero = tl.full([], 0, tl.uint32)
+        lo = lo0 + tl.arange(0, Q).to(tl.uint32)
+        x0, x1, x2, x3 = _philox(k0, k1, lo, (cu >> 32).to(tl.uint32), zero, zero)
+        z0, z1, z2, z3, z4, z5, z6, z7 = _normals_of_words(x0, x1, x2, x3, scale, FAST)
+    else:
+        z0, z1, z2, z3, z4, z5, z6, z7 = _normals(k0, k1, c_start + tl.arange(0, Q), scale, FAST)
+    return _interleave(z0, z1, z2, z3, z4, z5, z6, z7)
 
 
 # The interpreter converts fp32 -> bf16 by truncation; the GPU (and torch) round to nearest even.
@@ -192,8 +208,8 @@ def _load_seed(seed_ptr, seed, SEED_FROM_PTR: tl.constexpr):
 def _noise_kernel(out_ptr, n, seed, cbase, BLOCK: tl.constexpr, FAST: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     k0, k1 = _seed_words(seed)
-    z = _noise_quads(k0, k1, cbase + start // 4, 1.0, BLOCK // 4, FAST)
-    offs = _quad(BLOCK // 4)
+    z = _noise_tile(k0, k1, cbase + start // LANES, 1.0, BLOCK // LANES, FAST)
+    offs = _lanes(BLOCK // LANES)
     tl.store(out_ptr + start + offs, z, mask=offs < n - start)
 
 
@@ -239,9 +255,12 @@ def _derive_seed_kernel(state_ptr, seed_out_ptr):
 
 # ----------------------------------------------------------------------------- rows mode
 @triton.jit
-def _rows_norms_kernel(g_ptr, norms_ptr, part_ptr, V, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Pass 1: n_v = ||G[v]|| (fp32), and per block [max n_v, any non-finite]."""
+def _rows_norms_kernel(g_ptr, norms_ptr, part_ptr, count_ptr, V, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Pass 1: n_v = ||G[v]|| (fp32), and per block [max n_v, any non-finite]. Program 0 also
+    zeroes the stats pass's completion counter (stream order: before that pass starts)."""
     pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(count_ptr, 0)
     row0 = pid.to(tl.int64) * BLOCK_R
     rows = tl.arange(0, BLOCK_R)
     rmask = rows < V - row0
@@ -262,10 +281,16 @@ def _rows_norms_kernel(g_ptr, norms_ptr, part_ptr, V, D, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
-def _rows_stats_kernel(norms_ptr, part_ptr, part2_ptr, V, P, tau, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program j: M and the non-finite flag from pass 1's block partials, then the active sum and
-    count of norms [j CHUNK, (j+1) CHUNK) with S = {n > tau M}. Many programs: one alone waits
-    on its loads one after another (latency-bound: ~50 us at V = 50257 on an H200)."""
+def _rows_stats_kernel(
+    norms_ptr, part_ptr, part2_ptr, count_ptr, stats_ptr, V, P, tau, lam, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    FIN: tl.constexpr,
+):
+    """Program j: M and the non-finite flag from pass 1's partials, then the active sum and count
+    of norms [j CHUNK, (j+1) CHUNK) with S = {n > tau M}. Many programs: one alone waits on its
+    loads one after another (latency-bound: ~50 us at V = 50257 on an H200).
+
+    The last program to finish (completion counter) reduces the partials in a fixed order into
+    [m_bar, sigma, |S|, M]: deterministic, and no extra launch. NaN iff the input had one."""
     j = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mx = tl.zeros([BLOCK], tl.float32)
@@ -275,29 +300,26 @@ def _rows_stats_kernel(norms_ptr, part_ptr, part2_ptr, V, P, tau, CHUNK: tl.cons
         mx = tl.maximum(mx, tl.load(part_ptr + 2 * (p0 + offs), mask=pm, other=0.0))
         bad = tl.maximum(bad, tl.load(part_ptr + 2 * (p0 + offs) + 1, mask=pm, other=0.0))
     peak = tl.max(mx, axis=0)
+    bad = tl.max(bad, axis=0)
     v = j * CHUNK + tl.arange(0, CHUNK)
     n = tl.load(norms_ptr + v, mask=v < V, other=0.0)
     act = n > tau * peak
-    tl.store(part2_ptr + 3 * j, tl.sum(tl.where(act, n, 0.0), axis=0))
-    tl.store(part2_ptr + 3 * j + 1, tl.sum(act.to(tl.int32), axis=0).to(tl.float32))
-    tl.store(part2_ptr + 3 * j + 2, tl.where(tl.max(bad, axis=0) > 0.0, float("nan"), peak))
-
-
-@triton.jit
-def _rows_finish_kernel(part2_ptr, stats_ptr, P2, lam, BLOCK: tl.constexpr):
-    """One program: [m_bar, sigma, |S|, M] from the stats partials in a fixed order (pass 2
-    then reads two scalars instead of every program reducing the partials). NaN iff the input was."""
-    offs = tl.arange(0, BLOCK)
-    pm = offs < P2
-    total = tl.sum(tl.load(part2_ptr + 3 * offs, mask=pm, other=0.0), axis=0)
-    count = tl.sum(tl.load(part2_ptr + 3 * offs + 1, mask=pm, other=0.0), axis=0)
-    peak = tl.load(part2_ptr + 2)
-    nan = peak != peak
-    m_bar = tl.where(nan, float("nan"), total / tl.maximum(count, 1.0))
-    tl.store(stats_ptr + 0, m_bar)
-    tl.store(stats_ptr + 1, lam * m_bar)
-    tl.store(stats_ptr + 2, tl.where(nan, float("nan"), count))
-    tl.store(stats_ptr + 3, peak)
+    tl.store(part2_ptr + 2 * j, tl.sum(tl.where(act, n, 0.0), axis=0))
+    tl.store(part2_ptr + 2 * j + 1, tl.sum(act.to(tl.int32), axis=0).to(tl.float32))
+    # Release this program's partials (every thread's stores, then one gpu-scope acq_rel atomic).
+    tl.debug_barrier()
+    P2 = tl.num_programs(0)
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel") == P2 - 1:
+        f = tl.arange(0, FIN)
+        fm = f < P2
+        total = tl.sum(tl.load(part2_ptr + 2 * f, mask=fm, other=0.0, cache_modifier=".cg"), axis=0)
+        count = tl.sum(tl.load(part2_ptr + 2 * f + 1, mask=fm, other=0.0, cache_modifier=".cg"), axis=0)
+        nan = bad > 0.0
+        m_bar = tl.where(nan, float("nan"), total / tl.maximum(count, 1.0))
+        tl.store(stats_ptr + 0, m_bar)
+        tl.store(stats_ptr + 1, lam * m_bar)
+        tl.store(stats_ptr + 2, tl.where(nan, float("nan"), count))
+        tl.store(stats_ptr + 3, tl.where(nan, float("nan"), peak))
 
 
 @triton.jit(do_not_specialize=["seed", "cbase"])
@@ -306,7 +328,7 @@ def _rows_flood_kernel(
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     FAST: tl.constexpr,
 ):
-    """Pass 2 for D % 4 == 0 (every row opens a counter): [BLOCK_R, BLOCK_D] tiles, no division.
+    """Pass 2 for D % 8 == 0 (every row opens a counter): [BLOCK_R, BLOCK_D] tiles, no division.
 
     BLOCK_R == 1 (long rows): a branch per row, so inactive rows skip the load and the multiply-add.
     """
@@ -319,13 +341,13 @@ def _rows_flood_kernel(
     base = row0 * D
     gp = g_ptr + base
     op = out_ptr + base
-    quad = _quad(BLOCK_D // 4)  # [BLOCK_D / 4, 4] column offsets
+    lanes = _lanes(BLOCK_D // LANES)  # [BLOCK_D / 8, 8] column offsets
     if BLOCK_R == 1:
         read = (tl.load(norms_ptr + row0) > thr) & (rho != 0.0)  # inactive rows are never re-read
-        c_row = cbase + base // 4
+        c_row = cbase + base // LANES
         for d0 in range(0, D, BLOCK_D):
-            offs = d0 + quad
-            sz = _noise_quads(k0, k1, c_row + d0 // 4, sigma, BLOCK_D // 4, FAST)
+            offs = d0 + lanes
+            sz = _noise_tile(k0, k1, c_row + d0 // LANES, sigma, BLOCK_D // LANES, FAST)
             if EVEN_D:
                 if read:
                     out = rho * tl.load(gp + offs).to(tl.float32) + sz
@@ -342,15 +364,15 @@ def _rows_flood_kernel(
         rmask = rows < V - row0
         n = tl.load(norms_ptr + row0 + rows, mask=rmask, other=0.0)
         read_row = rmask & (n > thr) & (rho != 0.0)
-        c_row = cbase + base // 4 + rows * (D // 4)
+        c_row = cbase + base // LANES + rows * (D // LANES)
         for d0 in range(0, D, BLOCK_D):
-            cols = d0 + quad
+            cols = d0 + lanes
             m = rmask[:, None, None] & (cols < D)[None, :, :]
             offs = rows[:, None, None] * D + cols[None, :, :]
             g = tl.load(gp + offs, mask=m & read_row[:, None, None], other=0.0).to(tl.float32)
-            c = c_row[:, None] + (d0 // 4 + tl.arange(0, BLOCK_D // 4))[None, :]
-            z0, z1, z2, z3 = _normal4(k0, k1, c, sigma, FAST)
-            out = rho * g + _interleave4(z0, z1, z2, z3)
+            c = c_row[:, None] + (tl.arange(0, BLOCK_D // LANES) + d0 // LANES)[None, :]
+            z0, z1, z2, z3, z4, z5, z6, z7 = _normals(k0, k1, c, sigma, FAST)
+            out = rho * g + _interleave(z0, z1, z2, z3, z4, z5, z6, z7)
             tl.store(op + offs, _to_out(out, out_ptr), mask=m)
 
 
@@ -364,12 +386,12 @@ def _rows_flood_flat_kernel(
     sigma = tl.load(stats_ptr + 1)
     peak = tl.load(stats_ptr + 3)
     start = pid.to(tl.int64) * BLOCK
-    offs = _quad(BLOCK // 4)
+    offs = _lanes(BLOCK // LANES)
     m = offs < N - start
     n = tl.load(norms_ptr + (start + offs) // D, mask=m, other=0.0)
     g = tl.load(g_ptr + start + offs, mask=m & (n > tau * peak) & (rho != 0.0), other=0.0).to(tl.float32)
     k0, k1 = _load_seed(seed_ptr, seed, SEED_FROM_PTR)
-    sz = _noise_quads(k0, k1, cbase + start // 4, sigma, BLOCK // 4, FAST)
+    sz = _noise_tile(k0, k1, cbase + start // LANES, sigma, BLOCK // LANES, FAST)
     tl.store(out_ptr + start + offs, _to_out(rho * g + sz, out_ptr), mask=m)
 
 
@@ -426,12 +448,12 @@ def _matrix_flood_tile(g_ptr, out_ptr, numel, local, rho, sigma, cbase, k0, k1,
                        BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
     """Pass 2 on one tile: out = rho*G + sigma*Z; G is not read at all when rho == 0."""
     start = local.to(tl.int64) * (BLOCK * ITERS)
-    offs = _quad(BLOCK // 4)
+    offs = _lanes(BLOCK // LANES)
     read = rho != 0.0
     n_iter = tl.minimum(tl.cdiv(numel - start, BLOCK), ITERS)
     for i in range(0, n_iter):
         s = start + i * BLOCK
-        sz = _noise_quads(k0, k1, cbase + s // 4, sigma, BLOCK // 4, FAST)
+        sz = _noise_tile(k0, k1, cbase + s // LANES, sigma, BLOCK // LANES, FAST)
         if s + BLOCK <= numel:  # full block: no element mask
             if read:
                 out = rho * tl.load(g_ptr + s + offs).to(tl.float32) + sz
@@ -516,7 +538,7 @@ _ROWS_TILE2 = 16384 if INTERPRETED else 2048  # rows pass 2, short rows (several
 _ROWS_WARPS = 4
 _ROW_SPLIT = 512  # rows pass 2 takes one row per program from this row length on
 _ROWS_BD2 = 16384 if INTERPRETED else 2048  # its column block (at most)
-_ROWS_WARPS2 = None  # None: block / 512 (8-16 elements per thread)
+_ROWS_WARPS2 = None  # None: block / 1024 (32 elements per thread; 16 from 512 down)
 _PIPE_WARPS = 4
 _PIPE_CHUNKS = 4  # pipeline stages of a grouped matrix flood (at most; 4 beat 1 and 8 on H100 and H200)
 _PIPE_MIN_BYTES = 0 if INTERPRETED else 128 << 20  # bytes of gradient per stage (at least)
@@ -670,13 +692,14 @@ def _rows_configs(K, V: int, D: int):
 
     Measured on an H200: ~16 elements per thread in pass 1; pass 2 takes whole rows of >= 512
     elements one per program (inactive rows branch past their loads and multiply-adds), with
-    8-16 elements per thread."""
+    32 elements per thread (H100, 32000 x 4096 bf16: 129 vs 132 us at 16; a persistent grid was
+    slower at every size tried, benchmarks/results/rows-flood-profile-h100.txt)."""
     bd1 = _block_d(D, 1024)
     br1 = max(1, min(K._ROWS_TILE1 // bd1, _pow2_floor(V)))
-    if D % 4 == 0 and D >= K._ROW_SPLIT:
+    if D % ref.LANES == 0 and D >= K._ROW_SPLIT:
         bd2 = next((b for b in (2048, 1024, 512, 256, 128) if b <= K._ROWS_BD2 and D % b == 0), None)
         bd2 = bd2 or _block_d(D, K._ROWS_BD2)
-        return (br1, bd1, K._ROWS_WARPS1), (1, bd2, K._ROWS_WARPS2 or max(1, min(8, bd2 // 512)))
+        return (br1, bd1, K._ROWS_WARPS1), (1, bd2, K._ROWS_WARPS2 or max(1, min(8, bd2 // 1024)))
     bd2 = _block_d(D, 1024)
     return (br1, bd1, K._ROWS_WARPS1), (max(1, min(K._ROWS_TILE2 // bd2, _pow2_floor(V))), bd2, K._ROWS_WARPS)
 
@@ -701,13 +724,15 @@ def _rows(K, g: Tensor, out: Tensor, rho, lam, tau, seed, seed_buf, cbase, stats
     chunk = max(1024, 1 << (_cdiv(V, 256) - 1).bit_length())
     P2 = _cdiv(V, chunk)
     norms = torch.empty(V, dtype=torch.float32, device=dev)
-    part = torch.empty(P1, 2, dtype=torch.float32, device=dev)
-    part2 = torch.empty(P2, 3, dtype=torch.float32, device=dev)
-    K._rows_norms_kernel[(P1,)](g, norms, part, V, D, BLOCK_R=br1, BLOCK_D=bd1, num_warps=w1)
-    K._rows_stats_kernel[(P2,)](norms, part, part2, V, P1, tau, CHUNK=chunk, BLOCK=4096, num_warps=8)
-    K._rows_finish_kernel[(1,)](part2, stats, P2, lam, BLOCK=max(2, 1 << (P2 - 1).bit_length()), num_warps=4)
+    part = torch.empty(2 * P1 + 2 * P2 + 1, dtype=torch.float32, device=dev)  # pass 1, stats partials, counter
+    part2, count = part[2 * P1 : 2 * P1 + 2 * P2], part[2 * P1 + 2 * P2 :].view(torch.int32)
+    K._rows_norms_kernel[(P1,)](g, norms, part, count, V, D, BLOCK_R=br1, BLOCK_D=bd1, num_warps=w1)
+    K._rows_stats_kernel[(P2,)](
+        norms, part, part2, count, stats, V, P1, tau, lam, CHUNK=chunk, BLOCK=4096,
+        FIN=max(2, 1 << (P2 - 1).bit_length()), num_warps=8,
+    )
     seed_ptr, seed_val, from_ptr = _seed_args(seed, seed_buf, stats)
-    if D % 4 == 0:
+    if D % ref.LANES == 0:
         K._rows_flood_kernel[(_cdiv(V, br2),)](
             g, out, norms, stats, seed_ptr, seed_val, cbase, V, D, rho, tau,
             BLOCK_R=br2, BLOCK_D=bd2, EVEN_D=D % bd2 == 0, SEED_FROM_PTR=from_ptr, FAST=K.FAST_MATH,
@@ -904,7 +929,7 @@ def noise(shape, seed: int, offset: int = 0, device=None) -> Tensor:
         K = _kernels(device)
         with _on(device):
             K._noise_kernel[(_cdiv(n, K._NOISE_BLOCK),)](
-                out, n, _seed_arg(seed), offset // 4, BLOCK=K._NOISE_BLOCK, FAST=K.FAST_MATH, num_warps=4
+                out, n, _seed_arg(seed), offset // ref.LANES, BLOCK=K._NOISE_BLOCK, FAST=K.FAST_MATH, num_warps=4
             )
     return out
 
@@ -919,9 +944,9 @@ def flood(grad: Tensor, mode: str, rho: float, lam: float, rel_threshold: float,
     K = _kernels(g.device)
     with _on(g.device):
         if mode == "rows":
-            stats, norms = _rows(K, g, out, rho, lam, rel_threshold, _seed_arg(seed), None, offset // 4)
+            stats, norms = _rows(K, g, out, rho, lam, rel_threshold, _seed_arg(seed), None, offset // ref.LANES)
         else:
-            stats = _matrix(K, g.view(-1), out.view(-1), rho, lam, _seed_arg(seed), None, offset // 4)
+            stats = _matrix(K, g.view(-1), out.view(-1), rho, lam, _seed_arg(seed), None, offset // ref.LANES)
             norms = None
     return (out, stats, norms) if return_norms else (out, stats)
 
@@ -933,7 +958,7 @@ def flood_(grads: list[Tensor], modes, rhos, lams, rel_threshold: float, seed, *
     Matrix-mode tensors of one (device, dtype, alignment) are flooded from one address table in
     a few pipelined launches (CUDA only: the interpreter cannot load through the table);
     ``grouped=False`` pipelines them tensor by tensor with the same kernels. Rows-mode tensors
-    get their own four launches each. The validated launch plan is cached per set of tensors, so
+    get their own three launches each. The validated launch plan is cached per set of tensors, so
     a training loop pays the Python work once.
     """
     modes = modes if isinstance(modes, str) else ",".join(modes)
@@ -993,7 +1018,7 @@ def _plan(grads, modes, rhos, lams, rel_threshold, grouped) -> _Plan:
         if g.numel() == 0:
             continue
         if mode == "rows":
-            steps.append(("rows", g.device, (i, float(rhos[i]), float(lams[i]), offsets[i] // 4)))
+            steps.append(("rows", g.device, (i, float(rhos[i]), float(lams[i]), offsets[i] // ref.LANES)))
             continue
         use_grouped = (g.device.type == "cuda" and not INTERPRETED) if grouped is None else grouped
         if use_grouped and i not in copies:
@@ -1004,10 +1029,10 @@ def _plan(grads, modes, rhos, lams, rel_threshold, grouped) -> _Plan:
             chain.setdefault(g.device, []).append(i)
     for (device, _, vec), idx in groups.items():
         steps.append(("group", device, (idx, [float(rhos[i]) for i in idx], [float(lams[i]) for i in idx],
-                                        [offsets[i] // 4 for i in idx], vec)))
+                                        [offsets[i] // ref.LANES for i in idx], vec)))
     for device, idx in chain.items():
         steps.append(("chain", device, (idx, [float(rhos[i]) for i in idx], [float(lams[i]) for i in idx],
-                                        [offsets[i] // 4 for i in idx])))
+                                        [offsets[i] // ref.LANES for i in idx])))
     return _Plan(steps, copies)
 
 
@@ -1058,22 +1083,34 @@ def flood_seeded_(grads: list[Tensor], modes, rhos, lams, rel_threshold: float, 
 
 
 # ----------------------------------------------------------------------------- registration
+_LIB = None
+
+
 def register() -> None:
-    """Make the kernels the CUDA implementations of torch.ops.aegis.* (CPU keeps the reference)."""
+    """Make the kernels the CUDA implementations of torch.ops.aegis.* (CPU keeps the reference).
+
+    flood, flood_ and flood_seeded_ go on the dispatcher's CUDA key directly: custom_op's
+    register_kernel wraps every call in a Python aliasing check that measured ~80 us per call on an
+    H100 host (207 vs 129 us), more than a rows flood's own launches. flood never returns a view
+    of its input (a fresh output), the in-place ops return nothing."""
+    global _LIB
     from . import ops
 
-    @ops.flood.register_kernel("cuda")
     def _flood_cuda(grad, mode, rho, lam, rel_threshold, seed, offset):
         return flood(grad, mode, rho, lam, rel_threshold, seed, offset)
 
-    @ops.flood_.register_kernel("cuda")
     def _flood__cuda(grads, modes, rhos, lams, rel_threshold, seed):
         flood_(grads, modes, rhos, lams, rel_threshold, seed)
 
-    @ops.flood_seeded_.register_kernel("cuda")
     def _flood_seeded__cuda(grads, modes, rhos, lams, rel_threshold, state):
         ops.check_state(state)
         flood_seeded_(grads, modes, rhos, lams, rel_threshold, state)
+
+    if _LIB is None:
+        _LIB = torch.library.Library("aegis", "IMPL")
+        _LIB.impl("flood", _flood_cuda, "CUDA")
+        _LIB.impl("flood_", _flood__cuda, "CUDA")
+        _LIB.impl("flood_seeded_", _flood_seeded__cuda, "CUDA")
 
     # noise has no tensor input: once a device kernel is registered, torch dispatches it on its
     # ``device`` argument, to registered devices only, so the CPU reference is registered too, in

@@ -3,11 +3,13 @@
     python benchmarks/noise_breakdown.py [--out DIR] [--n-rows 32000] [--dim 4096]
 
 Every variant writes the same bf16 V x d tile (what the flood pass writes for inactive rows) and
-adds one stage of the noise generator: zeros (write bandwidth), Philox words only, Philox + int->float
-(hardware I2F as in production, or an exponent trick on the FMA / integer pipes), Box-Muller (hardware
-lg2/sqrt/sin/cos) over either conversion. An earlier run also tried sin/cos as FMA polynomials: slower
-(198.7 vs 148.5 us, H200). Dumps the production variant's SASS and counts its opcodes. Writes
-``noise-breakdown-<card>.json``.
+adds one stage of the noise generator: zeros (write bandwidth), Philox words only, Philox + the
+int -> float conversions, Box-Muller (hardware lg2/sqrt/sin/cos). Dumps the production variant's SASS
+and counts its opcodes. Writes ``noise-breakdown-<card>.json``.
+
+``results/noise-breakdown-h200.json`` was measured on the earlier stream of four normals per Philox
+call (zeros 60 us, Philox 100, + I2F 125, + Box-Muller 139 on an H200): the Philox call alone was
+slower than the write floor, which is why the stream now takes eight normals per call (two per word).
 """
 from __future__ import annotations
 
@@ -40,64 +42,36 @@ SEED = 0x5EED_1234_5678
 
 
 @triton.jit
-def _to_float31(j):
-    """float32(j), 0 <= j < 2^31, without I2F: halves of 15 and 16 bits convert exactly through the
-    2^23 exponent trick, and their one rounded sum is the correctly rounded float(j)."""
-    hi = ((j >> 16) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    lo = ((j & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return hi * 65536.0 + lo
-
-
-@triton.jit
-def _alu_uniform(x):
-    return _to_float31(TF._fold31(x)) * TF.UNIFORM_SCALE
-
-
-@triton.jit
-def _box_muller_alu(x1, x2):
-    u1 = tl.maximum(TF.MIN_UNIFORM, _alu_uniform(x1))
-    r = tl.sqrt(TF._libdevice.fast_log2f(u1) * -1.3862943611198906)
-    th = _to_float31(TF._fold31(x2)) * (TF.TWO_PI * TF.UNIFORM_SCALE)
-    return r * TF._libdevice.fast_cosf(th), r * TF._libdevice.fast_sinf(th)
-
-
-@triton.jit
-def _stage(x0, x1, x2, x3, STAGE: tl.constexpr):
+def _stage(x, STAGE: tl.constexpr):
+    """Two outputs from one Philox word, up to the given stage."""
     if STAGE == 1:  # Philox words only
-        return (x0.to(tl.float32, bitcast=True), x1.to(tl.float32, bitcast=True),
-                x2.to(tl.float32, bitcast=True), x3.to(tl.float32, bitcast=True))
-    elif STAGE == 2:  # + hardware int -> float (production)
-        return TF._uniform(x0), TF._uniform(x1), TF._uniform(x2), TF._uniform(x3)
-    elif STAGE == 3:  # + int -> float on the FMA / integer pipes
-        return _alu_uniform(x0), _alu_uniform(x1), _alu_uniform(x2), _alu_uniform(x3)
-    elif STAGE == 4:  # production Box-Muller
-        z0, z1 = TF._box_muller(x0, x1, 1.0, True)
-        z2, z3 = TF._box_muller(x2, x3, 1.0, True)
-        return z0, z1, z2, z3
-    else:  # Box-Muller over the FMA / integer pipe conversion
-        z0, z1 = _box_muller_alu(x0, x1)
-        z2, z3 = _box_muller_alu(x2, x3)
-        return z0, z1, z2, z3
+        return x.to(tl.float32, bitcast=True), (x ^ 1).to(tl.float32, bitcast=True)
+    elif STAGE == 2:  # + the int -> float conversions (radius uniform, angle)
+        return TF._uniform(x), (x & TF.ANGLE_MASK).to(tl.float32) * TF.ANGLE_STEP
+    else:  # production Box-Muller
+        return TF._box_muller(x, 1.0, True)
 
 
 @triton.jit(do_not_specialize=["seed"])
 def _variant_kernel(out_ptr, n, seed, BLOCK: tl.constexpr, STAGE: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = TF._quad(BLOCK // 4)
+    offs = TF._lanes(BLOCK // TF.LANES)
     if STAGE == 0:
-        z = tl.zeros([BLOCK // 4, 4], tl.float32)
+        z = tl.zeros([BLOCK // TF.LANES, TF.LANES], tl.float32)
     else:
         k0, k1 = TF._seed_words(seed)
-        c = (start // 4 + tl.arange(0, BLOCK // 4)).to(tl.uint64, bitcast=True)
+        c = (start // TF.LANES + tl.arange(0, BLOCK // TF.LANES)).to(tl.uint64, bitcast=True)
         zero = tl.zeros(c.shape, tl.uint32)
         x0, x1, x2, x3 = TF._philox(k0, k1, c.to(tl.uint32), (c >> 32).to(tl.uint32), zero, zero)
-        z0, z1, z2, z3 = _stage(x0, x1, x2, x3, STAGE)
-        z = TF._interleave4(z0, z1, z2, z3)
+        z0, z1 = _stage(x0, STAGE)
+        z2, z3 = _stage(x1, STAGE)
+        z4, z5 = _stage(x2, STAGE)
+        z6, z7 = _stage(x3, STAGE)
+        z = TF._interleave(z0, z1, z2, z3, z4, z5, z6, z7)
     tl.store(out_ptr + start + offs, z.to(out_ptr.dtype.element_ty), mask=offs < n - start)
 
 
-STAGES = {"zeros": 0, "philox": 1, "philox + I2F": 2, "philox + ALU int->float": 3,
-          "box-muller (production)": 4, "box-muller over ALU int->float": 5}
+STAGES = {"zeros": 0, "philox": 1, "philox + I2F": 2, "box-muller (production)": 3}
 
 
 def sass_histogram(compiled, dump: Path | None = None) -> dict[str, int]:
@@ -135,7 +109,7 @@ def main() -> None:
             key = f"{name} [{block}/{warps}w]"
             rows[key] = {"ms": ms, "write_floor_ms": floor_ms / 2, "x_write_floor": ms / (floor_ms / 2)}
             if block == 2048:
-                rows[key]["sass"] = sass_histogram(compiled, Path(args.out) / f"sass-stage{stage}.txt" if stage == 4 else None)
+                rows[key]["sass"] = sass_histogram(compiled, Path(args.out) / f"sass-stage{stage}.txt" if stage == 3 else None)
             print(f"{key:42s} {ms * 1e3:8.1f} us  {ms / (floor_ms / 2):5.2f}x write floor", flush=True)
     report = {"card": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "shape": [args.n_rows, args.dim],
               "dtype": "bfloat16", "rows": rows}

@@ -18,7 +18,7 @@ def _grads():
     [
         (torch.randn(7, 5), "rows", 0.3, 1.0, 0.01, 42, 8),
         (torch.randn(5, 7).t(), "matrix", 0.0, 8.0, 0.01, 2**61, 0),
-        (torch.randn(6, 4, dtype=torch.bfloat16), "rows", 0.3, 1.0, 0.01, 1, 4),
+        (torch.randn(6, 4, dtype=torch.bfloat16), "rows", 0.3, 1.0, 0.01, 1, 8),
         (torch.zeros(0, 4), "rows", 0.3, 1.0, 0.01, 1, 0),
     ],
 )

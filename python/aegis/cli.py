@@ -74,9 +74,12 @@ def audit(
     clients: Optional[int] = typer.Option(None, min=1),
     rounds: Optional[int] = typer.Option(None, min=1),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1),
+    attack_rounds: Optional[int] = typer.Option(
+        None, "--attack-rounds", min=0, help="attack the first N rounds' gradients (default 1; 0: every round)"
+    ),
     seed: int = typer.Option(0, help="seed of data order and model init (never of the flood noise)"),
 ) -> None:
-    """Federated rounds with each defence; every shared gradient attacked; a privacy/utility report."""
+    """Federated rounds with each defence; the server attacks the shared gradients; a privacy/utility report."""
     from pathlib import Path
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -89,7 +92,7 @@ def audit(
         for key, value in dict(
             models=models and _split(models), decoder=model, encoder=encoder, dataset=dataset,
             defences=defences and _split(defences), attacks=attacks and _split(attacks),
-            clients=clients, rounds=rounds, batch_size=batch_size, seed=seed,
+            clients=clients, rounds=rounds, batch_size=batch_size, attack_rounds=attack_rounds, seed=seed,
         ).items()
         if value is not None
     }

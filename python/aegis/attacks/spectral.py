@@ -28,17 +28,23 @@ def spectral(
     *,
     z: float = 6.0,
     max_len: int = 48,
+    search_budget: int = 4_000,
 ) -> list[str]:
     """Reconstruct up to ``batch_size`` texts from noisy attention or MLP gradients.
 
     ``z``: how many robust standard deviations below its pool a candidate's log-residual must lie.
-    ``max_len``: decoding stops there (noise can keep weak extensions alive; each step costs a scan)."""
+    ``max_len``: decoding stops there (noise can keep weak extensions alive; each step costs a scan).
+    ``search_budget``: sequences scored per encoder sentence search. Noise never lets the search stop
+    early, so it always spends the budget; on the embedded encoder (B = 4, first round) 4000 matched
+    20000 (ROUGE-1 0.77 vs 0.78 undefended, 0.41 vs 0.39 under prune-50) at a third of the time."""
     attention = layer_spans(model, grads, "attention", (0, 1), "mp")
     if all(span is not None for span, _ in attention):
         # Block 1's token filter stays wide (absolute positions blur between nearby positions); block 2
         # picks the continuation.
         tokens, sequences = Outlier(z, top=max(8, 4 * batch_size)), Outlier(z, top=batch_size)
-        return attention_attack(model, tokenizer, batch_size, attention, tokens, sequences, max_len, beam=2 * batch_size)
+        return attention_attack(
+            model, tokenizer, batch_size, attention, tokens, sequences, max_len, search_budget, beam=2 * batch_size
+        )
     [(span, probe)] = layer_spans(model, grads, "mlp", (0,), "mp")
     # Each prefix keeps its few best next tokens; the beam stays near B so noise cannot fan out.
     rule = Outlier(z, top=2)
