@@ -69,3 +69,26 @@ def test_quick_audit_meets_the_bar(tmp_path):
     assert ppl["aegis-utility"] <= 1.10 * ppl["none"], ppl
     print(f"quick audit: {elapsed:.0f} s; perplexity {ppl}")
     assert elapsed < 180
+
+
+@pytest.mark.parametrize("flag, attacked", [([], 1), (["--attack-rounds", "0"], 2)])
+def test_attack_rounds_chooses_which_captured_gradients_are_attacked(tmp_path, flag, attacked):
+    """The server captures every round; by default it attacks round 1's gradients, 0 means all."""
+    result = CliRunner().invoke(
+        app,
+        ["audit", "--quick", "--out", str(tmp_path), "--defences", "none", "--attacks", "embedding_norm",
+         "--rounds", "2", "--clients", "1", *flag],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    [row] = report["results"]
+    assert row["gradients"] == attacked
+    assert report["rounds"][0]["rounds"] and len(report["rounds"][0]["rounds"]) == 2  # both rounds ran
+
+
+def test_negative_attack_rounds_is_refused_with_the_fix():
+    from aegis.audit import AuditConfig
+
+    with pytest.raises(ValueError, match="attack_rounds=-1.*>= 0"):
+        AuditConfig(attack_rounds=-1)
