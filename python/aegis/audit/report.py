@@ -87,9 +87,15 @@ th{background:#f3f3f3}.hit{background:#b7e4b0}.moved{background:#ffd59e}.miss{co
 
 def write_html(report: dict[str, Any], path: Path, plot_name: str | None = None) -> None:
     """Reconstructions token by token, like the paper's qualitative table."""
+    config = report.get("meta", {}).get("config", {})
+    rounds, attacked = config.get("rounds"), config.get("attack_rounds")
+    if not attacked or attacked >= (rounds or 0):
+        scope = "every round's"
+    else:
+        scope = "the first round's" if attacked == 1 else f"the first {attacked} rounds'"
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>AEGIS audit</title><style>{_CSS}</style></head><body>",
              "<h1>AEGIS audit</h1>",
-             "<p>Every shared gradient was captured at the server and attacked. "
+             f"<p>The server captured every shared gradient and attacked {scope} gradients. "
              "<span class='hit'>green</span>: right token, right place; "
              "<span class='moved'>orange</span>: right token, wrong place; grey: wrong token.</p>"]
     if plot_name:
