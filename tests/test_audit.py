@@ -71,8 +71,8 @@ def test_quick_audit_meets_the_bar(tmp_path):
     assert elapsed < 180
 
 
-@pytest.mark.parametrize("flag, attacked", [([], 1), (["--attack-rounds", "0"], 2)])
-def test_attack_rounds_chooses_which_captured_gradients_are_attacked(tmp_path, flag, attacked):
+@pytest.mark.parametrize("flag, attacked, said", [([], 1, "the first round's"), (["--attack-rounds", "0"], 2, "every round's")])
+def test_attack_rounds_chooses_which_captured_gradients_are_attacked(tmp_path, flag, attacked, said):
     """The server captures every round; by default it attacks round 1's gradients, 0 means all."""
     result = CliRunner().invoke(
         app,
@@ -85,6 +85,7 @@ def test_attack_rounds_chooses_which_captured_gradients_are_attacked(tmp_path, f
     [row] = report["results"]
     assert row["gradients"] == attacked
     assert report["rounds"][0]["rounds"] and len(report["rounds"][0]["rounds"]) == 2  # both rounds ran
+    assert f"attacked {said} gradients" in (tmp_path / "report.html").read_text()
 
 
 def test_negative_attack_rounds_is_refused_with_the_fix():
