@@ -20,7 +20,7 @@ ulp of the transcendental functions):
 Eight normals per Philox call: the call (20 32x32-bit products) is what bounds the GPU flood, and
 at four normals per call the bf16 rows flood could not reach the memory floor. The 12-bit angle
 lattice is exact for the moments: the mean of cos^k over 4096 equally spaced angles is the
-continuous one for every k < 4096, so E[z^2] = E[r^2] / 2 to the radius's midpoint rule (~1e-7);
+continuous one for every k < 4096, so E[z^2] = E[r^2] / 2 = 1 - 3.3e-7 (the radius's midpoint rule);
 the 20-bit radius caps |z| at sqrt(42 ln 2) ~ 5.40 (mass beyond: 7e-8).
 Offsets must be multiples of 8 so every tensor starts on a counter boundary.
 """
