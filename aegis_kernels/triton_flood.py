@@ -6,7 +6,7 @@ by the seed, counter (offset + i) // 8, eight Box-Muller normals per counter), w
 our own uint32 helpers so it does not depend on the Triton version.
 
 Rows flood of a V x d gradient, three launches, no host sync:
-  1. ``_rows_norms_kernel``   row norms (fp32) + per-program max and non-finite flag (reads G once);
+  1. ``_rows_norms_kernel``   row norms (fp32) + per-block max and non-finite flag (reads G once);
   2. ``_rows_stats_kernel``   M, then the active set's partial sums and counts (reads V norms); its
                               last program reduces them to m_bar, sigma, |S|, M in a fixed order;
   3. ``_rows_flood_kernel``   out = rho*G (active rows only: masked loads) + sigma*Z.

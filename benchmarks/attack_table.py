@@ -26,18 +26,9 @@ from aegis.attacks import dager, embedding_norm, mlp_span, shared_gradient, spec
 from aegis.attacks.embedding_norm import embedding_norm_leak  # noqa: E402
 from aegis.data import LABELS, load_corpus  # noqa: E402
 from aegis.metrics import null_baseline, rouge, token_recall  # noqa: E402
-from aegis.models import default_decoder, default_encoder  # noqa: E402
+from aegis.models import attack_settings  # noqa: E402
 
-SETTINGS = {  # name: (builder, batch size)
-    "decoder B=1": (lambda: default_decoder(), 1),
-    "decoder B=4": (lambda: default_decoder(), 4),
-    "decoder B=8": (lambda: default_decoder(), 8),
-    "gpt2-small-sized B=8": (lambda: default_decoder(n_layer=12, n_embd=768, n_head=12), 8),
-    "llama (RoPE) B=1": (lambda: default_decoder(arch="llama", n_layer=2), 1),
-    "llama (RoPE) B=4": (lambda: default_decoder(arch="llama", n_layer=2), 4),
-    "encoder B=1": (lambda: default_encoder(num_labels=len(LABELS)), 1),
-    "encoder B=2": (lambda: default_encoder(num_labels=len(LABELS)), 2),
-}
+SETTINGS = attack_settings()
 ATTACKS = {"dager": dager, "mlp_span": mlp_span, "spectral": spectral, "embedding_norm": embedding_norm}
 
 

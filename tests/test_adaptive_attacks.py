@@ -9,7 +9,7 @@ from aegis.attacks.mlp_span import _scanner
 from aegis.attacks.span import input_projections, module_input
 from aegis.data import LABELS, load_corpus
 from aegis.metrics import null_baseline, rouge
-from aegis.models import default_decoder, default_encoder
+from aegis.models import attack_settings, default_decoder, default_encoder
 
 EXAMPLES = load_corpus("validation")
 SHORT = [EXAMPLES[35].text]  # "Patient is allergic to codeine." (7 tokens): keeps vocabulary scans cheap
@@ -110,16 +110,7 @@ def test_spectral_on_a_flooded_attention_channel():
     assert rouge(spectral(model, grads, tok, 2), texts)["rouge1"] >= 0.9
 
 
-SETTINGS = {
-    "decoder-B1": (lambda: default_decoder(), 1),
-    "decoder-B4": (lambda: default_decoder(), 4),
-    "decoder-B8": (lambda: default_decoder(), 8),
-    "gpt2-small-B8": (lambda: default_decoder(n_layer=12, n_embd=768, n_head=12), 8),
-    "llama-B1": (lambda: default_decoder(arch="llama", n_layer=2), 1),
-    "llama-B4": (lambda: default_decoder(arch="llama", n_layer=2), 4),
-    "encoder-B1": (lambda: default_encoder(num_labels=len(LABELS)), 1),
-    "encoder-B2": (lambda: default_encoder(num_labels=len(LABELS)), 2),
-}
+SETTINGS = attack_settings()
 
 
 @pytest.mark.slow
@@ -136,7 +127,7 @@ def test_paper_preset_every_attack_every_setting(setting):
     labels = [LABELS.index(e.label) for e in examples] if encoder else None
     alignment = "hungarian" if encoder else "greedy"
     attacks = {**SPAN_ATTACKS, "embedding_norm": embedding_norm}
-    if setting in ("decoder-B1", "encoder-B1"):
+    if setting in ("decoder B=1", "encoder B=1"):
         attacks["tag"] = tag
     seeds = (0, 1, 2)
     got = {name: [] for name in attacks}

@@ -152,3 +152,21 @@ def is_decoder(model: nn.Module) -> bool:
     """True for causal LMs (the default decoder, GPT-2, LLaMA …), False for encoders such as BERT."""
     cfg = model.config
     return bool(getattr(cfg, "is_decoder", False)) or cfg.model_type not in _ENCODER_TYPES
+
+
+def attack_settings() -> dict[str, tuple]:
+    """The settings the attack suite is measured on (issue 4): name -> (builder of (model, tokenizer),
+    batch size). ``benchmarks/attack_table.py`` and the slow attack tests share them."""
+    from .data import LABELS
+
+    encoder = lambda: default_encoder(num_labels=len(LABELS))  # noqa: E731
+    return {
+        "decoder B=1": (default_decoder, 1),
+        "decoder B=4": (default_decoder, 4),
+        "decoder B=8": (default_decoder, 8),
+        "gpt2-small-sized B=8": (lambda: default_decoder(n_layer=12, n_embd=768, n_head=12), 8),
+        "llama (RoPE) B=1": (lambda: default_decoder(arch="llama", n_layer=2), 1),
+        "llama (RoPE) B=4": (lambda: default_decoder(arch="llama", n_layer=2), 4),
+        "encoder B=1": (encoder, 1),
+        "encoder B=2": (encoder, 2),
+    }
