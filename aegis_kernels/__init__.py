@@ -1,10 +1,10 @@
-"""AEGIS flood kernels: ``torch.ops.aegis.{flood, flood_, flood_seeded_, noise}``.
+"""AEGIS flood kernels: ``torch.ops.aegis.{flood, flood_, flood_keyed_, noise}``.
 
 Knows nothing of the ``aegis`` library. The PyTorch reference (``aegis_kernels.reference``)
 runs on every device; on CUDA the fused Triton kernels replace it when Triton is installed.
 """
 from . import ops, reference
-from .reference import derive_seed, stream_offsets
+from .reference import derive_key, key_from_int, new_key, stream_offsets
 
 try:  # the fused kernels need Triton; without it the reference serves CUDA too
     import triton  # noqa: F401
@@ -24,7 +24,8 @@ else:
 
 flood = ops.flood
 flood_ = ops.flood_
-flood_seeded_ = ops.flood_seeded_
+flood_keyed_ = ops.flood_keyed_
 noise = ops.noise
 
-__all__ = ["flood", "flood_", "flood_seeded_", "noise", "reference", "stream_offsets", "derive_seed", "HAS_TRITON"]
+__all__ = ["flood", "flood_", "flood_keyed_", "noise", "reference", "stream_offsets", "new_key", "key_from_int",
+           "derive_key", "HAS_TRITON"]

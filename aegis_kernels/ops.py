@@ -1,10 +1,9 @@
-"""torch.ops.aegis.*: the flood ops (DESIGN §2).
+"""torch.ops.aegis.*: the flood ops (docs/design.md §2).
 
-The PyTorch reference is the implementation on every device; importing
-``aegis_kernels.flood`` (done by ``aegis_kernels/__init__.py`` when Triton and CUDA are
-present) registers the fused Triton kernels for CUDA on top of it.
-Seeds and offsets are explicit arguments, so every op is a pure function of its inputs
-(what opcheck, torch.compile and CUDA-graph replay need).
+The PyTorch reference is the implementation on every device; ``aegis_kernels/__init__.py``
+registers the fused Triton kernels for CUDA on top of it when Triton is present.
+Keys, parameters and offsets are explicit arguments, so every op is a pure function of its
+inputs (what opcheck, torch.compile and CUDA-graph replay need).
 """
 from __future__ import annotations
 
@@ -13,62 +12,59 @@ from torch import Tensor
 
 from . import reference as ref
 
-STATS_LEN = {"rows": 4, "matrix": 2}
+STATS_LEN = {"rows": 4, "matrix": 3}
 
 
 @torch.library.custom_op("aegis::flood", mutates_args=())
-def flood(
-    grad: Tensor, mode: str, rho: float, lam: float, rel_threshold: float, seed: int, offset: int
-) -> tuple[Tensor, Tensor]:
-    """Flood one gradient; returns (out, stats): rows [m_bar, sigma, |S|, M], matrix [m_bar, sigma]."""
-    out, stats = ref.flood(grad, mode, rho, lam, rel_threshold, seed, offset)
+def flood(grad: Tensor, mode: str, params: Tensor, key: Tensor, offset: int) -> tuple[Tensor, Tensor]:
+    """Flood one gradient with params = (rho, sigma, clip, thr) under a 256-bit key (8 int64 words).
+
+    Returns (out, stats): rows [sigma, |S|, clipped rows, max n_v], matrix [sigma, ||G||_F, rho min(1, clip/||G||_F)].
+    """
+    out, stats = ref.flood(grad, mode, params, key.to(grad.device), offset)
     return out.contiguous().clone() if out is grad else out.contiguous(), stats
 
 
 @flood.register_fake
-def _flood_fake(grad, mode, rho, lam, rel_threshold, seed, offset):
-    ref.check_params(grad, mode, rho, lam, rel_threshold)
+def _flood_fake(grad, mode, params, key, offset):
+    ref.check_grad(grad, mode)
     return grad.new_empty(grad.shape), grad.new_empty((STATS_LEN[mode],), dtype=torch.float32)
 
 
 @torch.library.custom_op("aegis::flood_", mutates_args=("grads",))
-def flood_(
-    grads: list[Tensor], modes: str, rhos: list[float], lams: list[float], rel_threshold: float, seed: int
-) -> None:
-    """In place over many gradients under one seed; tensor k uses offset stream_offsets(numels)[k].
-
-    ``modes`` is comma-separated, one entry per tensor ("rows,matrix,..."): the custom-op
-    schema has no list-of-strings type.
-    """
-    ref.flood_many_(grads, ref.split_modes(modes), rhos, lams, rel_threshold, seed)
+def flood_(grads: list[Tensor], modes: str, params: Tensor, key: Tensor) -> None:
+    """In place over many gradients under one key; tensor k reads params[k] and the keystream from
+    word offset stream_offsets(...)[k]. ``modes`` is comma-separated ("rows,matrix,..."): the
+    custom-op schema has no list-of-strings type."""
+    device = grads[0].device if grads else params.device
+    ref.flood_many_(grads, ref.split_modes(modes), params.to(device), key.to(device))
 
 
-@torch.library.custom_op("aegis::flood_seeded_", mutates_args=("grads", "state"))
-def flood_seeded_(
-    grads: list[Tensor], modes: str, rhos: list[float], lams: list[float], rel_threshold: float, state: Tensor
-) -> None:
-    """flood_ with the seed kept on the device: state = int64 [key, step].
+@torch.library.custom_op("aegis::flood_keyed_", mutates_args=("grads", "state"))
+def flood_keyed_(grads: list[Tensor], modes: str, params: Tensor, state: Tensor) -> None:
+    """flood_ with the key kept on the device: state = int64 [master key words x 8, step].
 
-    Uses seed = derive_seed(key, step) and advances step, all without a host sync, so a
-    captured CUDA graph draws fresh noise on every replay.
-    """
+    Uses key = derive_key(master, step) and advances step, all without a host sync, so a captured
+    CUDA graph draws a fresh key on every replay."""
     check_state(state)
-    ref.flood_many_(grads, ref.split_modes(modes), rhos, lams, rel_threshold, ref.derive_seed(state[0], state[1]))
-    state[1] += 1
+    key = ref.derive_key(state[: ref.KEY_WORDS], state[ref.KEY_WORDS])
+    flood_(grads, modes, params, key)
+    state[ref.KEY_WORDS] += 1
 
 
 def check_state(state: Tensor) -> None:
-    if state.dtype != torch.int64 or state.shape != (2,):
-        raise ValueError(f"state must be an int64 tensor [key, step], got {state.dtype} {tuple(state.shape)}")
+    if state.dtype != torch.int64 or state.shape != (ref.KEY_WORDS + 1,):
+        raise ValueError(f"state must be an int64 tensor [master key words x {ref.KEY_WORDS}, step], "
+                         f"got {state.dtype} {tuple(state.shape)}")
 
 
 @torch.library.custom_op("aegis::noise", mutates_args=())
-def noise(shape: list[int], seed: int, offset: int, device: torch.device) -> Tensor:
-    """The exact standard-normal Z that flood adds (fp32), for exact kernel tests."""
-    return ref.noise(tuple(shape), seed, offset, device=device)
+def noise(shape: list[int], key: Tensor, offset: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The exact standard-normal Z (fp32) that a flood with output ``dtype`` adds, for exact kernel tests."""
+    return ref.noise(tuple(shape), key.to(device), offset, dtype, device=device)
 
 
 @noise.register_fake
-def _noise_fake(shape, seed, offset, device):
+def _noise_fake(shape, key, offset, dtype, device):
     ref.check_offset(offset)
     return torch.empty(shape, dtype=torch.float32, device=device)

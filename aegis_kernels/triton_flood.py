@@ -1,28 +1,26 @@
-"""Fused Triton kernels for the AEGIS floods (DESIGN §1-2) and their CUDA registration.
+"""Fused Triton kernels for the AEGIS floods (docs/design.md §1-2) and their CUDA registration.
 
-Raw ``@triton.jit`` kernels plus thin launchers (Liger-Kernel style). Judged against
-``aegis_kernels.reference``; the noise stream is the one documented there (Philox4x32-10 keyed
-by the seed, counter (offset + i) // 8, eight Box-Muller normals per counter), written here with
-our own uint32 helpers so it does not depend on the Triton version.
+Raw ``@triton.jit`` kernels plus thin launchers (Liger-Kernel style), judged against
+``aegis_kernels.reference``: the same ChaCha keystream words bit for bit, the same normals up to
+the last ulp of log / sqrt, the same flood formulas.
+
+Each tensor's public parameters (rho, sigma, clip, thr) live in a device table and the key in a
+device buffer, so a captured CUDA graph replays with new keys and new calibrations.
 
 Rows flood of a V x d gradient, three launches, no host sync:
   1. ``_rows_norms_kernel``   row norms (fp32) + per-block max and non-finite flag (reads G once);
-  2. ``_rows_stats_kernel``   M, then the active set's partial sums and counts (reads V norms); its
-                              last program reduces them to m_bar, sigma, |S|, M in a fixed order;
-  3. ``_rows_flood_kernel``   out = rho*G (active rows only: masked loads) + sigma*Z.
+  2. ``_rows_stats_kernel``   |S|, clipped rows, M and the non-finite flag -> stats (sigma or NaN);
+  3. ``_rows_flood_kernel``   out = rho min(1, clip/n_v) G (rows of S only: masked loads) + sigma Z.
 Matrix flood (any shape, and the grouped in-place ``flood_``):
-  ``_matrix_pipe_kernel``  pass 1 (per-tile sum |G| + non-finite flag) of one set of tiles
-                           interleaved with pass 2 (out = rho*G + sigma*Z; G is not read at all
-                           when rho == 0) of another, so memory-bound reads overlap the noise;
-  ``_matrix_stats_kernel`` per-tensor m_bar, sigma (deterministic: fixed-order partials).
-  One tensor: pipe(-, G), stats, pipe(G, -). Many: pipe(-, c0), stats, pipe(c0, c1), stats, ...
+  ``_matrix_pipe_kernel``  pass 1 (per-tile sum x^2 + non-finite flag) of one set of tiles
+                           interleaved with pass 2 (out = s G + sigma Z; G is not read when the
+                           signal scale s is 0) of another, so memory-bound reads overlap the noise;
+  ``_matrix_stats_kernel`` per tensor ||G||_F and s = rho min(1, clip / ||G||_F), fixed order.
 
 Grouped launches read tensor addresses from a device table, which the Triton interpreter cannot
 do; every kernel also has a per-tensor form (GROUPED=False, pointer as an argument) that it can.
-
-The launchers accept CUDA tensors, and CPU tensors through the Triton interpreter: kernels for
-CPU tensors come from a second copy of this module compiled with TRITON_INTERPRET=1, so callers
-(tests, CI) need no environment set before importing triton.
+The launchers accept CUDA tensors, and CPU tensors through the Triton interpreter (a second copy
+of this module compiled with TRITON_INTERPRET=1), so callers need no environment set.
 """
 from __future__ import annotations
 
@@ -43,138 +41,189 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 if not INTERPRETED:
     from triton.language.extra.cuda import libdevice as _libdevice
-else:  # the interpreter maps no CUDA libdevice calls; FAST is always off there
+else:  # the interpreter maps no CUDA libdevice calls
     _libdevice = None
 
-# Philox4x32-10 and Box-Muller constants, bit for bit those of reference.py.
-PHILOX_KEY_A = tl.constexpr(0x9E3779B9)
-PHILOX_KEY_B = tl.constexpr(0xBB67AE85)
-PHILOX_ROUND_A = tl.constexpr(0xD2511F53)
-PHILOX_ROUND_B = tl.constexpr(0xCD9E8D57)
-LANES = tl.constexpr(ref.LANES)  # normals per Philox counter
+C0 = tl.constexpr(ref.SIGMA_CONSTANTS[0])
+C1 = tl.constexpr(ref.SIGMA_CONSTANTS[1])
+C2 = tl.constexpr(ref.SIGMA_CONSTANTS[2])
+C3 = tl.constexpr(ref.SIGMA_CONSTANTS[3])
+ROUNDS = tl.constexpr(ref.ROUNDS)
+BLOCK_WORDS = tl.constexpr(ref.BLOCK_WORDS)
 ANGLE_BITS = tl.constexpr(ref.ANGLE_BITS)
 ANGLE_MASK = tl.constexpr((1 << ref.ANGLE_BITS) - 1)
-RADIUS_STEP = tl.constexpr(ref.RADIUS_STEP)
-RADIUS_HALF = tl.constexpr(ref.RADIUS_STEP / 2)
 ANGLE_STEP = tl.constexpr(ref.ANGLE_STEP)
-SQRT_2LN2 = tl.constexpr(1.1774100225154747)
+RADIUS_SERIES = tl.constexpr(ref.RADIUS_SERIES)
+INV_SQRT2 = tl.constexpr(ref.INV_SQRT2)
+LN2 = tl.constexpr(0.6931471805599453)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
-SEED_HI_MASK = tl.constexpr(0x3FFFFFFF)  # derive_seed keeps 62 bits
+DERIVE_DOMAIN = tl.constexpr(ref.DERIVE_DOMAIN)
 
-# On the GPU, log/sin/cos are the hardware approximations (MUFU lg2/sin/cos.approx): Z stays the
-# reference stream (same Philox words, same lanes) within 2^-16 + 2^-22/r. libdevice's accurate
-# versions triple Box-Muller's instructions; measured on an H100 the rows flood then takes
-# 0.403 ms instead of 0.261 (32000 x 4096 bf16). AEGIS_ACCURATE_NOISE=1 selects them. The noise
-# op runs the same code, so flood == reference(G, Z) to fp32 rounding with Z from that op.
-FAST_MATH = not INTERPRETED and os.environ.get("AEGIS_ACCURATE_NOISE", "0") != "1"
+# On the GPU, the log is the hardware lg2 (MUFU): relative error ~2^-22 where it is used (its
+# argument lies in (0, 15/16]; the series covers 1 - v near 1). Everything else is exact
+# integer work or polynomial arithmetic the reference repeats.
+FAST_MATH = not INTERPRETED
 
 
-# ----------------------------------------------------------------------------- jit helpers
+# ----------------------------------------------------------------------------- keystream
 @triton.jit
-def _seed_words(seed):
-    """Philox key (lo, hi) from a 64-bit seed (int32 or int64 scalar)."""
-    s = seed.to(tl.int64).to(tl.uint64, bitcast=True)
-    return s.to(tl.uint32), (s >> 32).to(tl.uint32)
+def _rotl(x, n: tl.constexpr):
+    return (x << n) | (x >> (32 - n))
 
 
 @triton.jit
-def _philox(k0, k1, c0, c1, c2, c3):
-    """Philox4x32-10 on uint32 words (Salmon et al. 2011), as reference.philox4x32."""
-    for _ in tl.static_range(10):
-        # one 32x32->64 product gives both words (a single IMAD.WIDE.U32 on the GPU)
-        pb = c2.to(tl.uint64) * PHILOX_ROUND_B
-        pa = c0.to(tl.uint64) * PHILOX_ROUND_A
-        c0 = (pb >> 32).to(tl.uint32) ^ c1 ^ k0
-        c2 = (pa >> 32).to(tl.uint32) ^ c3 ^ k1
-        c1 = pb.to(tl.uint32)
-        c3 = pa.to(tl.uint32)
-        k0 = k0 + PHILOX_KEY_A
-        k1 = k1 + PHILOX_KEY_B
-    return c0, c1, c2, c3
+def _quarter(a, b, c, d):
+    a = a + b
+    d = _rotl(d ^ a, 16)
+    c = c + d
+    b = _rotl(b ^ c, 12)
+    a = a + b
+    d = _rotl(d ^ a, 8)
+    c = c + d
+    b = _rotl(b ^ c, 7)
+    return a, b, c, d
 
 
 @triton.jit
-def _uniform(w):
-    """Radius uniform of a Philox word, as reference._uniform: its high 20 bits, (k + 1/2) 2^-20.
+def _chacha(k0, k1, k2, k3, k4, k5, k6, k7, lo, hi, domain):
+    """ChaCha block (reference.chacha_block) for block counters (lo, hi) under key k0..k7.
 
-    Exact in fp32 (21 significant bits): one I2F and one FMA, no rounding, never 0."""
-    return (w >> ANGLE_BITS).to(tl.float32) * RADIUS_STEP + RADIUS_HALF
+    Scalar inputs stay scalars until mixed with ``lo``: in the first column round three of the
+    four quarter-rounds are per-program scalars, computed once per tile."""
+    x0 = lo * 0 + C0
+    x1, x2, x3 = C1, C2, C3
+    x4, x5, x6, x7, x8, x9, x10, x11 = k0, k1, k2, k3, k4, k5, k6, k7
+    x12, x13, x14, x15 = lo, hi, domain, domain * 0
+    x0, x4, x8, x12 = _quarter(x0, x4, x8, x12)
+    x1, x5, x9, x13 = _quarter(x1 + hi * 0, x5, x9, x13)
+    x2, x6, x10, x14 = _quarter(x2 + hi * 0, x6, x10, x14)
+    x3, x7, x11, x15 = _quarter(x3 + hi * 0, x7, x11, x15)
+    x0, x5, x10, x15 = _quarter(x0, x5, x10, x15)
+    x1, x6, x11, x12 = _quarter(x1, x6, x11, x12)
+    x2, x7, x8, x13 = _quarter(x2, x7, x8, x13)
+    x3, x4, x9, x14 = _quarter(x3, x4, x9, x14)
+    for _ in tl.static_range(ROUNDS // 2 - 1):
+        x0, x4, x8, x12 = _quarter(x0, x4, x8, x12)
+        x1, x5, x9, x13 = _quarter(x1, x5, x9, x13)
+        x2, x6, x10, x14 = _quarter(x2, x6, x10, x14)
+        x3, x7, x11, x15 = _quarter(x3, x7, x11, x15)
+        x0, x5, x10, x15 = _quarter(x0, x5, x10, x15)
+        x1, x6, x11, x12 = _quarter(x1, x6, x11, x12)
+        x2, x7, x8, x13 = _quarter(x2, x7, x8, x13)
+        x3, x4, x9, x14 = _quarter(x3, x4, x9, x14)
+    return (x0 + C0, x1 + C1, x2 + C2, x3 + C3, x4 + k0, x5 + k1, x6 + k2, x7 + k3,
+            x8 + k4, x9 + k5, x10 + k6, x11 + k7, x12 + lo, x13 + hi, x14 + domain, x15)
 
 
 @triton.jit
-def _box_muller(w, scale, FAST: tl.constexpr):
-    """scale * (r cos th, r sin th) from one Philox word: radius from its high 20 bits, angle from
-    its low 12 (reference._box_muller).
+def _load_key(key_ptr):
+    """The 8 key words (int64 holding uint32) as uint32 scalars."""
+    return (tl.load(key_ptr).to(tl.uint32), tl.load(key_ptr + 1).to(tl.uint32), tl.load(key_ptr + 2).to(tl.uint32),
+            tl.load(key_ptr + 3).to(tl.uint32), tl.load(key_ptr + 4).to(tl.uint32), tl.load(key_ptr + 5).to(tl.uint32),
+            tl.load(key_ptr + 6).to(tl.uint32), tl.load(key_ptr + 7).to(tl.uint32))
 
-    Exact form: the reference's sigma * Z bit for bit (with the platform's log/sin/cos). FAST form:
-    hardware lg2/sqrt/sin/cos with the constants folded (r = sqrt(-lg2 u) * sqrt(2 ln 2) scale, the
-    product a per-program scalar): same stream, each value within the approximations' error.
-    |lg2 u| keeps a rounding of lg2 near u = 1 from ever giving a NaN.
-    """
-    u = _uniform(w)
-    th = (w & ANGLE_MASK).to(tl.float32) * ANGLE_STEP
+
+# ----------------------------------------------------------------------------- normals
+@triton.jit
+def _log(x, FAST: tl.constexpr):
     if FAST:
-        r = tl.sqrt(tl.abs(_libdevice.fast_log2f(u))) * (scale * SQRT_2LN2)
-        return r * _libdevice.fast_cosf(th), r * _libdevice.fast_sinf(th)
+        return _libdevice.fast_log2f(x) * LN2
     else:
-        r = tl.sqrt(-2.0 * tl.log(u))
-        return scale * (r * tl.cos(th)), scale * (r * tl.sin(th))
+        return tl.log(x)
 
 
 @triton.jit
-def _normals_of_words(x0, x1, x2, x3, scale, FAST: tl.constexpr):
-    """The eight lanes of a counter from its four words: word k gives lanes 2k and 2k + 1."""
-    z0, z1 = _box_muller(x0, scale, FAST)
-    z2, z3 = _box_muller(x1, scale, FAST)
-    z4, z5 = _box_muller(x2, scale, FAST)
-    z6, z7 = _box_muller(x3, scale, FAST)
-    return z0, z1, z2, z3, z4, z5, z6, z7
+def _normal_pair(a, b, FAST: tl.constexpr):
+    """reference.normal_pair: radius word a, angle word b -> (r cos th, r sin th)."""
+    v = (a & 0x7FFFFFFF).to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10
+    tail = (a >> 31) != 0
+    lg = _log(tl.where(tail, v, 1.0 - v), FAST)
+    series = v * (1.0 + v * (0.5 + v * (1.0 / 3 + v * (0.25 + v * (0.2 + v * (1.0 / 6 + v * (1.0 / 7)))))))
+    t = tl.where(tail | (v >= RADIUS_SERIES), -lg, series)
+    r = tl.sqrt(2.0 * t)
+    octant = b >> ANGLE_BITS
+    k = b & ANGLE_MASK
+    odd = (octant & 1) != 0
+    k = tl.where(odd, ANGLE_MASK - k, k)
+    psi = (k.to(tl.float32) + 0.5) * ANGLE_STEP
+    p2 = psi * psi
+    s = psi * (1.0 + p2 * (-1.0 / 6 + p2 * (1.0 / 120 + p2 * (-1.0 / 5040 + p2 * (1.0 / 362880)))))
+    c = 1.0 + p2 * (-0.5 + p2 * (1.0 / 24 + p2 * (-1.0 / 720 + p2 * (1.0 / 40320 + p2 * (-1.0 / 3628800)))))
+    s = tl.where(odd, -s, s)
+    quadrant = ((octant + 1) >> 1) & 3
+    swap = (quadrant & 1) != 0
+    x = tl.where(swap, s, c)
+    y = tl.where(swap, c, s)
+    x = tl.where((quadrant == 1) | (quadrant == 2), -x, x)
+    y = tl.where(quadrant >= 2, -y, y)
+    return r * x, r * y
 
 
 @triton.jit
-def _normals(k0, k1, c, scale, FAST: tl.constexpr):
-    """scale * the eight standard normals of each int64 counter c (any shape): lanes 0..7."""
-    cu = c.to(tl.uint64, bitcast=True)
-    zero = tl.zeros(c.shape, tl.uint32)
-    x0, x1, x2, x3 = _philox(k0, k1, cu.to(tl.uint32), (cu >> 32).to(tl.uint32), zero, zero)
-    return _normals_of_words(x0, x1, x2, x3, scale, FAST)
+def _j4(a, b, c, d):
+    """Four [...] tensors -> [..., 4] in order a, b, c, d (a join's outer index is the fastest)."""
+    return tl.join(tl.join(a, c), tl.join(b, d))
 
 
 @triton.jit
-def _interleave(z0, z1, z2, z3, z4, z5, z6, z7):
-    """[..., n] x8 -> [..., n, 8] (lane minor): element 8q + l takes lane l of counter q.
-
-    Nested joins put the leaf at path (outer o, middle m, inner i) at position 4i + 2m + o. Tiles
-    keep this [..., 8] shape for their loads and stores too, so each thread's eight values stay in
-    its registers (one 16-byte store per counter for 16-bit dtypes, no shared-memory shuffle).
-    """
-    a = tl.join(tl.join(tl.join(z0, z4), tl.join(z2, z6)), tl.join(tl.join(z1, z5), tl.join(z3, z7)))
-    return tl.reshape(a, a.shape[:-3] + [8])
+def _j8(z0, z1, z2, z3, z4, z5, z6, z7):
+    t = tl.join(_j4(z0, z2, z4, z6), _j4(z1, z3, z5, z7))
+    return tl.reshape(t, t.shape[:-3] + [8])
 
 
 @triton.jit
-def _lanes(Q: tl.constexpr):
-    """[Q, 8] element offsets 8q + l of a flat 8-aligned tile."""
-    return LANES * tl.arange(0, Q)[:, None] + tl.arange(0, LANES)[None, :]
+def _lanes_of_block(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, scale,
+                    PER: tl.constexpr, FAST: tl.constexpr):
+    """scale * the normals of a block's 16 words: [..., 16] (PER 1) or [..., 8] (PER 2, sums of two)."""
+    a0, a1 = _normal_pair(x0, x1, FAST)
+    b0, b1 = _normal_pair(x2, x3, FAST)
+    c0, c1 = _normal_pair(x4, x5, FAST)
+    d0, d1 = _normal_pair(x6, x7, FAST)
+    e0, e1 = _normal_pair(x8, x9, FAST)
+    f0, f1 = _normal_pair(x10, x11, FAST)
+    g0, g1 = _normal_pair(x12, x13, FAST)
+    h0, h1 = _normal_pair(x14, x15, FAST)
+    if PER == 1:
+        t = tl.join(_j8(a0, b0, c0, d0, e0, f0, g0, h0), _j8(a1, b1, c1, d1, e1, f1, g1, h1))
+        return tl.reshape(t, t.shape[:-2] + [16]) * scale  # [..., 8, 2]: element 2i + j at [i, j]
+    else:
+        w = scale * INV_SQRT2
+        return _j8((a0 + b0) * w, (a1 + b1) * w, (c0 + d0) * w, (c1 + d1) * w,
+                   (e0 + f0) * w, (e1 + f1) * w, (g0 + h0) * w, (g1 + h1) * w)
 
 
 @triton.jit
-def _noise_tile(k0, k1, c_start, scale, Q: tl.constexpr, FAST: tl.constexpr):
-    """scale * Z as [Q, 8] for 8Q consecutive elements whose first element opens counter c_start.
+def _block_normals(k0, k1, k2, k3, k4, k5, k6, k7, blocks, scale, PER: tl.constexpr, FAST: tl.constexpr):
+    """scale * Z for int64 block counters of any shape: [..., 16 / PER], element order."""
+    bu = blocks.to(tl.uint64, bitcast=True)
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _chacha(
+        k0, k1, k2, k3, k4, k5, k6, k7, bu.to(tl.uint32), (bu >> 32).to(tl.uint32), tl.full([], 0, tl.uint32))
+    return _lanes_of_block(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, scale, PER, FAST)
 
-    Counters (lo, hi, 0, 0): when no low word of the tile wraps, hi is the tile's, a scalar, and so
-    are Philox's first-round key word and second-round product (one IMAD.WIDE and a few 64-bit adds
-    fewer per counter, on the integer pipe that bounds the flood). Same words either way."""
-    cu = c_start.to(tl.uint64, bitcast=True)
-    lo0 = cu.to(tl.uint32)
+
+@triton.jit
+def _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, b_start, scale, Q: tl.constexpr, PER: tl.constexpr,
+                FAST: tl.constexpr):
+    """scale * Z as [Q, 16 / PER] for the Q consecutive blocks from b_start (an int64 scalar).
+
+    When no low counter word of the tile wraps, the high word is the tile's scalar, and so is most of
+    ChaCha's first round. Same words either way."""
+    bu = b_start.to(tl.uint64, bitcast=True)
+    lo0 = bu.to(tl.uint32)
     if lo0 <= 0xFFFFFFFF - (Q - 1):
-        zero = tl.full([], 0, tl.uint32)
         lo = lo0 + tl.arange(0, Q).to(tl.uint32)
-        x0, x1, x2, x3 = _philox(k0, k1, lo, (cu >> 32).to(tl.uint32), zero, zero)
-        z0, z1, z2, z3, z4, z5, z6, z7 = _normals_of_words(x0, x1, x2, x3, scale, FAST)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _chacha(
+            k0, k1, k2, k3, k4, k5, k6, k7, lo, (bu >> 32).to(tl.uint32), tl.full([], 0, tl.uint32))
+        z = _lanes_of_block(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, scale, PER, FAST)
     else:
-        z0, z1, z2, z3, z4, z5, z6, z7 = _normals(k0, k1, c_start + tl.arange(0, Q), scale, FAST)
-    return _interleave(z0, z1, z2, z3, z4, z5, z6, z7)
+        z = _block_normals(k0, k1, k2, k3, k4, k5, k6, k7, b_start + tl.arange(0, Q), scale, PER, FAST)
+    return z
+
+
+@triton.jit
+def _lanes(Q: tl.constexpr, L: tl.constexpr):
+    """[Q, L] element offsets L q + l of a flat block-aligned tile."""
+    return L * tl.arange(0, Q)[:, None] + tl.arange(0, L)[None, :]
 
 
 # The interpreter converts fp32 -> bf16 by truncation; the GPU (and torch) round to nearest even.
@@ -194,63 +243,44 @@ def _to_out(x, out_ptr):
         return x.to(out_ptr.dtype.element_ty)
 
 
-@triton.jit
-def _load_seed(seed_ptr, seed, SEED_FROM_PTR: tl.constexpr):
-    if SEED_FROM_PTR:  # flood_seeded_: derived on device by _derive_seed_kernel
-        s = tl.load(seed_ptr)
-    else:
-        s = seed
-    return _seed_words(s)
-
-
-# ----------------------------------------------------------------------------- noise / seeds
-@triton.jit(do_not_specialize=["seed", "cbase"])
-def _noise_kernel(out_ptr, n, seed, cbase, BLOCK: tl.constexpr, FAST: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    k0, k1 = _seed_words(seed)
-    z = _noise_tile(k0, k1, cbase + start // LANES, 1.0, BLOCK // LANES, FAST)
-    offs = _lanes(BLOCK // LANES)
+# ----------------------------------------------------------------------------- noise / keys
+@triton.jit(do_not_specialize=["bbase"])
+def _noise_kernel(out_ptr, n, key_ptr, bbase, Q: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr):
+    L: tl.constexpr = 16 // PER
+    start = tl.program_id(0).to(tl.int64) * (Q * L)
+    k0, k1, k2, k3, k4, k5, k6, k7 = _load_key(key_ptr)
+    z = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, bbase + start // L, 1.0, Q, PER, FAST)
+    offs = _lanes(Q, L)
     tl.store(out_ptr + start + offs, z, mask=offs < n - start)
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _philox_kernel(c_ptr, out_ptr, n, seed, BLOCK: tl.constexpr):
-    """Raw Philox words for n counters given as int64 [c0, c1, c2, c3] rows (for exactness tests)."""
+@triton.jit
+def _keystream_kernel(blocks_ptr, out_ptr, n, key_ptr, domain, BLOCK: tl.constexpr):
+    """Raw ChaCha words of n int64 block counters: out[i, w] (int64 holding uint32), for exactness tests."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    k0, k1 = _seed_words(seed)
-    c0 = tl.load(c_ptr + 4 * offs, mask=m, other=0).to(tl.uint32)
-    c1 = tl.load(c_ptr + 4 * offs + 1, mask=m, other=0).to(tl.uint32)
-    c2 = tl.load(c_ptr + 4 * offs + 2, mask=m, other=0).to(tl.uint32)
-    c3 = tl.load(c_ptr + 4 * offs + 3, mask=m, other=0).to(tl.uint32)
-    x0, x1, x2, x3 = _philox(k0, k1, c0, c1, c2, c3)
-    tl.store(out_ptr + 4 * offs, x0.to(tl.int64), mask=m)
-    tl.store(out_ptr + 4 * offs + 1, x1.to(tl.int64), mask=m)
-    tl.store(out_ptr + 4 * offs + 2, x2.to(tl.int64), mask=m)
-    tl.store(out_ptr + 4 * offs + 3, x3.to(tl.int64), mask=m)
+    k0, k1, k2, k3, k4, k5, k6, k7 = _load_key(key_ptr)
+    bu = tl.load(blocks_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _chacha(
+        k0, k1, k2, k3, k4, k5, k6, k7, bu.to(tl.uint32), (bu >> 32).to(tl.uint32), domain.to(tl.uint32))
+    w = tl.join(_j8(x0, x2, x4, x6, x8, x10, x12, x14), _j8(x1, x3, x5, x7, x9, x11, x13, x15))
+    w = tl.reshape(w, [BLOCK, 16])
+    tl.store(out_ptr + 16 * offs[:, None] + tl.arange(0, 16)[None, :], w.to(tl.int64), mask=m[:, None])
 
 
 @triton.jit
-def _uniform_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """The uniforms of n Philox words (int64 holding uint32), for exactness tests."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    tl.store(out_ptr + offs, _uniform(tl.load(x_ptr + offs, mask=m, other=0).to(tl.uint32)), mask=m)
-
-
-@triton.jit
-def _derive_seed_kernel(state_ptr, seed_out_ptr):
-    """seed = PRF(key, step) as reference.derive_seed; then step += 1 (graph-replay safe)."""
-    key = tl.load(state_ptr)
-    step = tl.load(state_ptr + 1)
-    k0, k1 = _seed_words(key)
+def _derive_key_kernel(state_ptr, key_out_ptr):
+    """key = reference.derive_key(master, step) for state = [master words x 8, step]; then step += 1."""
+    k0, k1, k2, k3, k4, k5, k6, k7 = _load_key(state_ptr)
+    step = tl.load(state_ptr + 8)
     su = step.to(tl.uint64, bitcast=True)
-    c0 = su.to(tl.uint32)
-    c1 = (su >> 32).to(tl.uint32)
-    x0, x1, _, _ = _philox(k0, k1, c0, c1, c0 * 0 + 1, c0 * 0)
-    seed = x0.to(tl.int64) | ((x1 & SEED_HI_MASK).to(tl.int64) << 32)
-    tl.store(seed_out_ptr, seed)
-    tl.store(state_ptr + 1, step + 1)
+    lo = su.to(tl.uint32) + tl.zeros([2], tl.uint32)
+    x0, x1, x2, x3, x4, x5, x6, x7, _, _, _, _, _, _, _, _ = _chacha(
+        k0, k1, k2, k3, k4, k5, k6, k7, lo, (su >> 32).to(tl.uint32), tl.full([], DERIVE_DOMAIN, tl.uint32))
+    w = _j8(x0, x1, x2, x3, x4, x5, x6, x7)  # [2, 8], both rows equal
+    offs = tl.arange(0, 2)[:, None] * 0 + tl.arange(0, 8)[None, :]
+    tl.store(key_out_ptr + offs, w.to(tl.int64), mask=tl.arange(0, 2)[:, None] == 0)
+    tl.store(state_ptr + 8, step + 1)
 
 
 # ----------------------------------------------------------------------------- rows mode
@@ -282,75 +312,80 @@ def _rows_norms_kernel(g_ptr, norms_ptr, part_ptr, count_ptr, V, D, BLOCK_R: tl.
 
 @triton.jit
 def _rows_stats_kernel(
-    norms_ptr, part_ptr, part2_ptr, count_ptr, stats_ptr, V, P, tau, lam, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    norms_ptr, part_ptr, part2_ptr, count_ptr, stats_ptr, params_ptr, V, P, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
     FIN: tl.constexpr,
 ):
-    """Program j: M and the non-finite flag from pass 1's partials, then the active sum and count
-    of norms [j CHUNK, (j+1) CHUNK) with S = {n > tau M}. Many programs: one alone waits on its
-    loads one after another (latency-bound: ~50 us at V = 50257 on an H200).
-
-    The last program to finish (completion counter) reduces the partials in a fixed order into
-    [m_bar, sigma, |S|, M]: deterministic, and no extra launch. NaN iff the input had one."""
+    """Program j: the active and clipped counts of norms [j CHUNK, (j+1) CHUNK). The last program to
+    finish (completion counter) reduces them in a fixed order into [sigma, |S|, clipped, M]; every
+    entry NaN iff the input had a non-finite element (the flood then writes NaN everywhere)."""
     j = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mx = tl.zeros([BLOCK], tl.float32)
-    bad = tl.zeros([BLOCK], tl.float32)
-    for p0 in range(0, P, BLOCK):
-        pm = offs < P - p0
-        mx = tl.maximum(mx, tl.load(part_ptr + 2 * (p0 + offs), mask=pm, other=0.0))
-        bad = tl.maximum(bad, tl.load(part_ptr + 2 * (p0 + offs) + 1, mask=pm, other=0.0))
-    peak = tl.max(mx, axis=0)
-    bad = tl.max(bad, axis=0)
+    clip = tl.load(params_ptr + 2)
+    thr = tl.load(params_ptr + 3)
     v = j * CHUNK + tl.arange(0, CHUNK)
     n = tl.load(norms_ptr + v, mask=v < V, other=0.0)
-    act = n > tau * peak
-    tl.store(part2_ptr + 2 * j, tl.sum(tl.where(act, n, 0.0), axis=0))
-    tl.store(part2_ptr + 2 * j + 1, tl.sum(act.to(tl.int32), axis=0).to(tl.float32))
+    act = n > thr
+    tl.store(part2_ptr + 2 * j, tl.sum(act.to(tl.int32), axis=0).to(tl.float32))
+    tl.store(part2_ptr + 2 * j + 1, tl.sum((act & (n > clip)).to(tl.int32), axis=0).to(tl.float32))
     # Release this program's partials (every thread's stores, then one gpu-scope acq_rel atomic).
     tl.debug_barrier()
     P2 = tl.num_programs(0)
     if tl.atomic_add(count_ptr, 1, sem="acq_rel") == P2 - 1:
+        offs = tl.arange(0, BLOCK)
+        mx = tl.zeros([BLOCK], tl.float32)
+        bad = tl.zeros([BLOCK], tl.float32)
+        for p0 in range(0, P, BLOCK):
+            pm = offs < P - p0
+            mx = tl.maximum(mx, tl.load(part_ptr + 2 * (p0 + offs), mask=pm, other=0.0))
+            bad = tl.maximum(bad, tl.load(part_ptr + 2 * (p0 + offs) + 1, mask=pm, other=0.0))
         f = tl.arange(0, FIN)
         fm = f < P2
-        total = tl.sum(tl.load(part2_ptr + 2 * f, mask=fm, other=0.0, cache_modifier=".cg"), axis=0)
-        count = tl.sum(tl.load(part2_ptr + 2 * f + 1, mask=fm, other=0.0, cache_modifier=".cg"), axis=0)
-        nan = bad > 0.0
-        m_bar = tl.where(nan, float("nan"), total / tl.maximum(count, 1.0))
-        tl.store(stats_ptr + 0, m_bar)
-        tl.store(stats_ptr + 1, lam * m_bar)
-        tl.store(stats_ptr + 2, tl.where(nan, float("nan"), count))
-        tl.store(stats_ptr + 3, tl.where(nan, float("nan"), peak))
+        count = tl.sum(tl.load(part2_ptr + 2 * f, mask=fm, other=0.0, cache_modifier=".cg"), axis=0)
+        clipped = tl.sum(tl.load(part2_ptr + 2 * f + 1, mask=fm, other=0.0, cache_modifier=".cg"), axis=0)
+        nan = tl.max(bad, axis=0) > 0.0
+        tl.store(stats_ptr + 0, tl.where(nan, float("nan"), tl.load(params_ptr + 1)))
+        tl.store(stats_ptr + 1, tl.where(nan, float("nan"), count))
+        tl.store(stats_ptr + 2, tl.where(nan, float("nan"), clipped))
+        tl.store(stats_ptr + 3, tl.where(nan, float("nan"), tl.max(mx, axis=0)))
 
 
-@triton.jit(do_not_specialize=["seed", "cbase"])
+@triton.jit
+def _row_scale(n, rho, clip, thr):
+    """rho min(1, clip / n_v) on S, 0 elsewhere (reference._clip_scale)."""
+    return tl.where(n > thr, rho * tl.where(n > clip, clip / tl.maximum(n, 1.1754943508222875e-38), 1.0), 0.0)
+
+
+@triton.jit(do_not_specialize=["bbase"])
 def _rows_flood_kernel(
-    g_ptr, out_ptr, norms_ptr, stats_ptr, seed_ptr, seed, cbase, V, D, rho, tau,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
-    FAST: tl.constexpr,
+    g_ptr, out_ptr, norms_ptr, stats_ptr, params_ptr, key_ptr, bbase, V, D,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
 ):
-    """Pass 2 for D % 8 == 0 (every row opens a counter): [BLOCK_R, BLOCK_D] tiles, no division.
+    """Pass 2 for D % (16 / PER) == 0 (every row opens a block): [BLOCK_R, BLOCK_D] tiles.
 
-    BLOCK_R == 1 (long rows): a branch per row, so inactive rows skip the load and the multiply-add.
+    BLOCK_R == 1 (long rows): a branch per row, so rows outside S skip the load and the multiply-add.
     """
+    L: tl.constexpr = 16 // PER
     # Reverse block order: pass 1 finished with the last rows, so their re-reads may hit L2.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    sigma = tl.load(stats_ptr + 1)
-    thr = tau * tl.load(stats_ptr + 3)
-    k0, k1 = _load_seed(seed_ptr, seed, SEED_FROM_PTR)
+    sigma = tl.load(stats_ptr)
+    rho = tl.load(params_ptr)
+    clip = tl.load(params_ptr + 2)
+    thr = tl.load(params_ptr + 3)
+    k0, k1, k2, k3, k4, k5, k6, k7 = _load_key(key_ptr)
     row0 = pid.to(tl.int64) * BLOCK_R
     base = row0 * D
     gp = g_ptr + base
     op = out_ptr + base
-    lanes = _lanes(BLOCK_D // LANES)  # [BLOCK_D / 8, 8] column offsets
+    lanes = _lanes(BLOCK_D // L, L)  # [BLOCK_D / L, L] column offsets
     if BLOCK_R == 1:
-        read = (tl.load(norms_ptr + row0) > thr) & (rho != 0.0)  # inactive rows are never re-read
-        c_row = cbase + base // LANES
+        s = _row_scale(tl.load(norms_ptr + row0), rho, clip, thr)
+        read = s != 0.0  # rows outside S are never re-read
+        b_row = bbase + base // L
         for d0 in range(0, D, BLOCK_D):
             offs = d0 + lanes
-            sz = _noise_tile(k0, k1, c_row + d0 // LANES, sigma, BLOCK_D // LANES, FAST)
+            sz = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, b_row + d0 // L, sigma, BLOCK_D // L, PER, FAST)
             if EVEN_D:
                 if read:
-                    out = rho * tl.load(gp + offs).to(tl.float32) + sz
+                    out = s * tl.load(gp + offs).to(tl.float32) + sz
                 else:
                     out = sz
                 tl.store(op + offs, _to_out(out, out_ptr))
@@ -358,56 +393,55 @@ def _rows_flood_kernel(
                 m = offs < D
                 # (splat through int32: the interpreter turns a splatted bool scalar into fp32)
                 g = tl.load(gp + offs, mask=m & ((offs * 0 + read.to(tl.int32)) != 0), other=0.0).to(tl.float32)
-                tl.store(op + offs, _to_out(rho * g + sz, out_ptr), mask=m)
+                tl.store(op + offs, _to_out(s * g + sz, out_ptr), mask=m)
     else:
         rows = tl.arange(0, BLOCK_R)
         rmask = rows < V - row0
         n = tl.load(norms_ptr + row0 + rows, mask=rmask, other=0.0)
-        read_row = rmask & (n > thr) & (rho != 0.0)
-        c_row = cbase + base // LANES + rows * (D // LANES)
+        s = _row_scale(n, rho, clip, thr)
+        read_row = rmask & (s != 0.0)
+        b_row = bbase + base // L + rows * (D // L)
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + lanes
             m = rmask[:, None, None] & (cols < D)[None, :, :]
             offs = rows[:, None, None] * D + cols[None, :, :]
             g = tl.load(gp + offs, mask=m & read_row[:, None, None], other=0.0).to(tl.float32)
-            c = c_row[:, None] + (tl.arange(0, BLOCK_D // LANES) + d0 // LANES)[None, :]
-            z0, z1, z2, z3, z4, z5, z6, z7 = _normals(k0, k1, c, sigma, FAST)
-            out = rho * g + _interleave(z0, z1, z2, z3, z4, z5, z6, z7)
-            tl.store(op + offs, _to_out(out, out_ptr), mask=m)
+            b = b_row[:, None] + (tl.arange(0, BLOCK_D // L) + d0 // L)[None, :]
+            sz = _block_normals(k0, k1, k2, k3, k4, k5, k6, k7, b, sigma, PER, FAST)
+            tl.store(op + offs, _to_out(s[:, None, None] * g + sz, out_ptr), mask=m)
 
 
-@triton.jit(do_not_specialize=["seed", "cbase"])
+@triton.jit(do_not_specialize=["bbase"])
 def _rows_flood_flat_kernel(
-    g_ptr, out_ptr, norms_ptr, stats_ptr, seed_ptr, seed, cbase, N, D, rho, tau,
-    BLOCK: tl.constexpr, SEED_FROM_PTR: tl.constexpr, FAST: tl.constexpr,
+    g_ptr, out_ptr, norms_ptr, stats_ptr, params_ptr, key_ptr, bbase, N, D,
+    Q: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
 ):
-    """Pass 2 for any D: flat 4-aligned tiles, row = e // D per element."""
+    """Pass 2 for any D: flat block-aligned tiles, row = e // D per element."""
+    L: tl.constexpr = 16 // PER
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    sigma = tl.load(stats_ptr + 1)
-    peak = tl.load(stats_ptr + 3)
-    start = pid.to(tl.int64) * BLOCK
-    offs = _lanes(BLOCK // LANES)
+    sigma = tl.load(stats_ptr)
+    start = pid.to(tl.int64) * (Q * L)
+    offs = _lanes(Q, L)
     m = offs < N - start
     n = tl.load(norms_ptr + (start + offs) // D, mask=m, other=0.0)
-    g = tl.load(g_ptr + start + offs, mask=m & (n > tau * peak) & (rho != 0.0), other=0.0).to(tl.float32)
-    k0, k1 = _load_seed(seed_ptr, seed, SEED_FROM_PTR)
-    sz = _noise_tile(k0, k1, cbase + start // LANES, sigma, BLOCK // LANES, FAST)
-    tl.store(out_ptr + start + offs, _to_out(rho * g + sz, out_ptr), mask=m)
+    s = _row_scale(n, tl.load(params_ptr), tl.load(params_ptr + 2), tl.load(params_ptr + 3))
+    g = tl.load(g_ptr + start + offs, mask=m & (s != 0.0), other=0.0).to(tl.float32)
+    k0, k1, k2, k3, k4, k5, k6, k7 = _load_key(key_ptr)
+    sz = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, bbase + start // L, sigma, Q, PER, FAST)
+    tl.store(out_ptr + start + offs, _to_out(s * g + sz, out_ptr), mask=m)
 
 
 # ----------------------------------------------------------------------------- matrix mode
-@triton.jit(do_not_specialize=["numel", "ntiles", "t_first"])
+@triton.jit(do_not_specialize=["ntiles", "t_first"])
 def _matrix_stats_kernel(
-    part_ptr, stats_ptr, numel, ntiles, lam, meta_ptr, params_ptr, T, t_first, BLOCK: tl.constexpr,
-    GROUPED: tl.constexpr,
+    part_ptr, stats_ptr, ntiles, params_ptr, meta_ptr, T, t_first, BLOCK: tl.constexpr, GROUPED: tl.constexpr,
 ):
-    """One program per tensor: m_bar = sum|x| / numel over its tiles in a fixed order; sigma = lam m_bar."""
+    """One program per tensor: ||G||_F over its tiles in a fixed order; stats [sigma, ||G||_F, s]
+    with s = rho min(1, clip / ||G||_F); all NaN on a non-finite input."""
     t = t_first + tl.program_id(0)
-    if GROUPED:  # meta (int64): [ptr x T, numel x T, cbase x T, first tile x (T + 1)]
-        numel = tl.load(meta_ptr + T + t)
+    if GROUPED:  # meta (int64): [ptr x T, numel x T, bbase x T, first tile x (T + 1)]
         first = tl.load(meta_ptr + 3 * T + t)
         last = tl.load(meta_ptr + 3 * T + t + 1)
-        lam = tl.load(params_ptr + T + t)
     else:
         first = 0
         last = ntiles
@@ -418,17 +452,20 @@ def _matrix_stats_kernel(
         pm = offs < last - p0
         acc += tl.load(part_ptr + 2 * (p0 + offs), mask=pm, other=0.0)
         bad = tl.maximum(bad, tl.load(part_ptr + 2 * (p0 + offs) + 1, mask=pm, other=0.0))
-    m_bar = tl.sum(acc, axis=0) / numel.to(tl.float32)
-    sigma = lam * m_bar
+    norm = tl.sqrt_rn(tl.sum(acc, axis=0))
+    rho = tl.load(params_ptr + 4 * t)
+    clip = tl.load(params_ptr + 4 * t + 2)
+    s = rho * tl.where(norm > clip, clip / tl.maximum(norm, 1.1754943508222875e-38), 1.0)
     nan = tl.max(bad, axis=0) > 0.0
-    tl.store(stats_ptr + 2 * t, tl.where(nan, float("nan"), m_bar))
-    tl.store(stats_ptr + 2 * t + 1, tl.where(nan, float("nan"), sigma))
+    tl.store(stats_ptr + 3 * t, tl.where(nan, float("nan"), tl.load(params_ptr + 4 * t + 1)))
+    tl.store(stats_ptr + 3 * t + 1, tl.where(nan, float("nan"), norm))
+    tl.store(stats_ptr + 3 * t + 2, tl.where(nan, float("nan"), s))
 
 
 @triton.jit
 def _matrix_sum_tile(x_ptr, numel, local, part_ptr, slot, BLOCK: tl.constexpr, ITERS: tl.constexpr,
                      UNROLL: tl.constexpr):
-    """Pass 1 on one tile: part[slot] = [sum |x| (fp32), any non-finite]."""
+    """Pass 1 on one tile: part[slot] = [sum x^2 (fp32), any non-finite]."""
     start = local.to(tl.int64) * (BLOCK * ITERS)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
@@ -437,49 +474,50 @@ def _matrix_sum_tile(x_ptr, numel, local, part_ptr, slot, BLOCK: tl.constexpr, I
         for u in tl.static_range(UNROLL):  # UNROLL independent loads in flight, few registers
             e = (i + u) * BLOCK
             x = tl.load(x_ptr + start + e + offs, mask=offs < numel - start - e, other=0.0).to(tl.float32)
-            acc += tl.abs(x)
+            acc += x * x
             bad = tl.maximum(bad, tl.where(tl.abs(x) <= FLT_MAX, 0.0, 1.0))
     tl.store(part_ptr + 2 * slot, tl.sum(acc, axis=0))
     tl.store(part_ptr + 2 * slot + 1, tl.max(bad, axis=0))
 
 
 @triton.jit
-def _matrix_flood_tile(g_ptr, out_ptr, numel, local, rho, sigma, cbase, k0, k1,
-                       BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
-    """Pass 2 on one tile: out = rho*G + sigma*Z; G is not read at all when rho == 0."""
+def _matrix_flood_tile(g_ptr, out_ptr, numel, local, s, sigma, bbase, k0, k1, k2, k3, k4, k5, k6, k7,
+                       BLOCK: tl.constexpr, ITERS: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr):
+    """Pass 2 on one tile: out = s G + sigma Z; G is not read at all when s == 0."""
+    L: tl.constexpr = 16 // PER
     start = local.to(tl.int64) * (BLOCK * ITERS)
-    offs = _lanes(BLOCK // LANES)
-    read = rho != 0.0
+    offs = _lanes(BLOCK // L, L)
+    read = s != 0.0
     n_iter = tl.minimum(tl.cdiv(numel - start, BLOCK), ITERS)
     for i in range(0, n_iter):
-        s = start + i * BLOCK
-        sz = _noise_tile(k0, k1, cbase + s // LANES, sigma, BLOCK // LANES, FAST)
-        if s + BLOCK <= numel:  # full block: no element mask
+        e0 = start + i * BLOCK
+        sz = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, bbase + e0 // L, sigma, BLOCK // L, PER, FAST)
+        if e0 + BLOCK <= numel:  # full block: no element mask
             if read:
-                out = rho * tl.load(g_ptr + s + offs).to(tl.float32) + sz
+                out = s * tl.load(g_ptr + e0 + offs).to(tl.float32) + sz
             else:
                 out = sz
-            tl.store(out_ptr + s + offs, _to_out(out, out_ptr))
+            tl.store(out_ptr + e0 + offs, _to_out(out, out_ptr))
         else:
-            m = offs < numel - s
-            g = tl.load(g_ptr + s + offs, mask=m & read, other=0.0).to(tl.float32)
-            tl.store(out_ptr + s + offs, _to_out(rho * g + sz, out_ptr), mask=m)
+            m = offs < numel - e0
+            g = tl.load(g_ptr + e0 + offs, mask=m & ((offs * 0 + read.to(tl.int32)) != 0), other=0.0).to(tl.float32)
+            tl.store(out_ptr + e0 + offs, _to_out(s * g + sz, out_ptr), mask=m)
 
 
-@triton.jit(do_not_specialize=["seed", "a_cbase", "a_first", "b_first", "a_tiles", "b_tiles", "a_numel", "b_numel"])
+@triton.jit(do_not_specialize=["a_bbase", "a_first", "b_first", "a_tiles", "b_tiles", "a_numel", "b_numel"])
 def _matrix_pipe_kernel(
-    a_ptr, a_out_ptr, a_numel, a_rho, a_cbase, a_tiles, a_first, b_ptr, b_numel, b_tiles, b_first,
-    part_ptr, stats_ptr, seed_ptr, seed, tile_tensor_ptr, meta_ptr, params_ptr, T,
+    a_ptr, a_out_ptr, a_numel, a_bbase, a_tiles, a_first, b_ptr, b_numel, b_tiles, b_first,
+    part_ptr, stats_ptr, key_ptr, tile_tensor_ptr, meta_ptr, T,
     SUM_BLOCK: tl.constexpr, SUM_ITERS: tl.constexpr, SUM_UNROLL: tl.constexpr, FLOOD_BLOCK: tl.constexpr,
-    FLOOD_ITERS: tl.constexpr, GROUPED: tl.constexpr, VEC: tl.constexpr, SEED_FROM_PTR: tl.constexpr, FAST: tl.constexpr,
+    FLOOD_ITERS: tl.constexpr, GROUPED: tl.constexpr, VEC: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
 ):
-    """Pass 2 (flood) of tile set A together with pass 1 (sum |x|) of tile set B, interleaved.
+    """Pass 2 (flood) of tile set A together with pass 1 (sum x^2) of tile set B, interleaved.
 
-    Pass 1 is bound by memory and pass 2 by arithmetic (10 Philox rounds + Box-Muller per four
-    elements). Alternating their tiles in one grid puts both kinds of program on every SM, so the
-    next chunk's reads overlap this chunk's noise. A or B may be empty (first and last stage).
+    Pass 1 is bound by memory and pass 2 by arithmetic (the cipher and Box-Muller). Alternating
+    their tiles in one grid puts both kinds of program on every SM, so the next chunk's reads
+    overlap this chunk's noise. A or B may be empty (first and last stage).
     GROUPED: A and B are tile ranges [first, first + tiles) of the address table (in-place flood);
-    else single tensors (a_out_ptr may differ from a_ptr).
+    else single tensors (a_out_ptr may differ from a_ptr; stats_ptr is that tensor's stats).
     """
     pid = tl.program_id(0)
     both = tl.minimum(a_tiles, b_tiles)
@@ -490,6 +528,7 @@ def _matrix_pipe_kernel(
         is_a = a_tiles > b_tiles
         j = pid - both
     if is_a:
+        k0, k1, k2, k3, k4, k5, k6, k7 = _load_key(key_ptr)
         if GROUPED:
             tile = a_first + j
             t = tl.load(tile_tensor_ptr + tile)
@@ -499,13 +538,12 @@ def _matrix_pipe_kernel(
             if VEC:  # host checked: 16-byte aligned, numel % 16 == 0 -> vector accesses
                 g_ptr = tl.multiple_of(g_ptr, 16)
                 numel = tl.multiple_of(numel, 16)
-            k0, k1 = _load_seed(seed_ptr, seed, SEED_FROM_PTR)
-            _matrix_flood_tile(g_ptr, g_ptr, numel, local, tl.load(params_ptr + t), tl.load(stats_ptr + 2 * t + 1),
-                               tl.load(meta_ptr + 2 * T + t), k0, k1, FLOOD_BLOCK, FLOOD_ITERS, FAST)
+            _matrix_flood_tile(g_ptr, g_ptr, numel, local, tl.load(stats_ptr + 3 * t + 2), tl.load(stats_ptr + 3 * t),
+                               tl.load(meta_ptr + 2 * T + t), k0, k1, k2, k3, k4, k5, k6, k7,
+                               FLOOD_BLOCK, FLOOD_ITERS, PER, FAST)
         else:
-            k0, k1 = _load_seed(seed_ptr, seed, SEED_FROM_PTR)
-            _matrix_flood_tile(a_ptr, a_out_ptr, a_numel, j, a_rho, tl.load(stats_ptr + 1), a_cbase, k0, k1,
-                               FLOOD_BLOCK, FLOOD_ITERS, FAST)
+            _matrix_flood_tile(a_ptr, a_out_ptr, a_numel, j, tl.load(stats_ptr + 2), tl.load(stats_ptr), a_bbase,
+                               k0, k1, k2, k3, k4, k5, k6, k7, FLOOD_BLOCK, FLOOD_ITERS, PER, FAST)
     else:
         if GROUPED:
             tile = b_first + j
@@ -530,7 +568,7 @@ _SUM_UNROLL = 1 if INTERPRETED else 2
 _FLOOD_BLOCK = 8192 if INTERPRETED else 2048
 _FLOOD_ITERS = _SPAN // _FLOOD_BLOCK
 _STATS_BLOCK = 1024
-_NOISE_BLOCK = 16384 if INTERPRETED else 2048
+_NOISE_BLOCK = 16384 if INTERPRETED else 2048  # elements per noise-kernel program
 _FLAT_BLOCK = 8192 if INTERPRETED else 2048
 _ROWS_TILE1 = 16384 if INTERPRETED else 2048  # elements per [BLOCK_R, BLOCK_D] tile, rows pass 1
 _ROWS_WARPS1 = 4
@@ -550,12 +588,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
-
-
-def _seed_arg(seed: int) -> int:
-    """The 64 key bits of a Python int seed as a signed int64 kernel argument."""
-    s = int(seed) & 0xFFFFFFFFFFFFFFFF
-    return s - (1 << 64) if s >= 1 << 63 else s
 
 
 _interp_lock = threading.Lock()
@@ -679,6 +711,10 @@ class _on:
 
 
 # ----------------------------------------------------------------------------- configs
+def _per(dtype: torch.dtype) -> int:
+    return ref.words_per_element(dtype)
+
+
 def _block_d(D: int, cap: int) -> int:
     """Largest power of two <= cap whose padding wastes at most 1/8 of a row (16 at least)."""
     for b in (4096, 2048, 1024, 512, 256, 128, 64, 32, 16):
@@ -690,13 +726,11 @@ def _block_d(D: int, cap: int) -> int:
 def _rows_configs(K, V: int, D: int):
     """(pass 1 [BLOCK_R, BLOCK_D, warps], pass 2 [BLOCK_R, BLOCK_D, warps]).
 
-    Measured on an H200: ~16 elements per thread in pass 1; pass 2 takes whole rows of >= 512
-    elements one per program (inactive rows branch past their loads and multiply-adds), with
-    32 elements per thread (H100, 32000 x 4096 bf16: 129 vs 132 us at 16; a persistent grid was
-    slower at every size tried, benchmarks/results/rows-flood-profile-h100.txt)."""
+    Pass 1: ~16 elements per thread. Pass 2 takes whole rows of >= 512 elements one per program
+    (rows outside S branch past their loads and multiply-adds), 32 elements per thread."""
     bd1 = _block_d(D, 1024)
     br1 = max(1, min(K._ROWS_TILE1 // bd1, _pow2_floor(V)))
-    if D % ref.LANES == 0 and D >= K._ROW_SPLIT:
+    if D % ref.BLOCK_WORDS == 0 and D >= K._ROW_SPLIT:
         bd2 = next((b for b in (2048, 1024, 512, 256, 128) if b <= K._ROWS_BD2 and D % b == 0), None)
         bd2 = bd2 or _block_d(D, K._ROWS_BD2)
         return (br1, bd1, K._ROWS_WARPS1), (1, bd2, K._ROWS_WARPS2 or max(1, min(8, bd2 // 1024)))
@@ -704,21 +738,17 @@ def _rows_configs(K, V: int, D: int):
     return (br1, bd1, K._ROWS_WARPS1), (max(1, min(K._ROWS_TILE2 // bd2, _pow2_floor(V))), bd2, K._ROWS_WARPS)
 
 
-def _seed_args(seed, seed_buf, dummy):
-    """(seed pointer, seed value, SEED_FROM_PTR)."""
-    return (seed_buf, 0, True) if seed_buf is not None else (dummy, seed, False)
-
-
 # ----------------------------------------------------------------------------- launches
-def _rows(K, g: Tensor, out: Tensor, rho, lam, tau, seed, seed_buf, cbase, stats=None):
+def _rows(K, g: Tensor, out: Tensor, params: Tensor, key: Tensor, bbase: int, stats=None):
     """Rows flood of a contiguous V x D ``g`` into ``out`` (may be ``g``); returns (stats, norms)."""
     V, D = g.shape
     dev = g.device
     if stats is None:
         stats = torch.empty(4, dtype=torch.float32, device=dev)
-    if V == 0 or D == 0:  # reference: no rows / zero norms -> S empty, all stats 0
-        stats.zero_()
+    if V == 0 or D == 0:  # nothing to flood: S empty
+        stats.copy_(torch.stack((params[1], *params.new_zeros(3))))
         return stats, torch.zeros(V, dtype=torch.float32, device=dev)
+    per = _per(g.dtype)
     (br1, bd1, w1), (br2, bd2, w2) = _rows_configs(K, V, D)
     P1 = _cdiv(V, br1)
     chunk = max(1024, 1 << (_cdiv(V, 256) - 1).bit_length())
@@ -728,89 +758,85 @@ def _rows(K, g: Tensor, out: Tensor, rho, lam, tau, seed, seed_buf, cbase, stats
     part2, count = part[2 * P1 : 2 * P1 + 2 * P2], part[2 * P1 + 2 * P2 :].view(torch.int32)
     K._rows_norms_kernel[(P1,)](g, norms, part, count, V, D, BLOCK_R=br1, BLOCK_D=bd1, num_warps=w1)
     K._rows_stats_kernel[(P2,)](
-        norms, part, part2, count, stats, V, P1, tau, lam, CHUNK=chunk, BLOCK=4096,
+        norms, part, part2, count, stats, params, V, P1, CHUNK=chunk, BLOCK=4096,
         FIN=max(2, 1 << (P2 - 1).bit_length()), num_warps=8,
     )
-    seed_ptr, seed_val, from_ptr = _seed_args(seed, seed_buf, stats)
-    if D % ref.LANES == 0:
+    if D % (ref.BLOCK_WORDS // per) == 0:
         K._rows_flood_kernel[(_cdiv(V, br2),)](
-            g, out, norms, stats, seed_ptr, seed_val, cbase, V, D, rho, tau,
-            BLOCK_R=br2, BLOCK_D=bd2, EVEN_D=D % bd2 == 0, SEED_FROM_PTR=from_ptr, FAST=K.FAST_MATH,
-            num_warps=w2,
+            g, out, norms, stats, params, key, bbase, V, D,
+            BLOCK_R=br2, BLOCK_D=bd2, EVEN_D=D % bd2 == 0, PER=per, FAST=K.FAST_MATH, num_warps=w2,
         )
     else:
         n = V * D
         K._rows_flood_flat_kernel[(_cdiv(n, K._FLAT_BLOCK),)](
-            g, out, norms, stats, seed_ptr, seed_val, cbase, n, D, rho, tau,
-            BLOCK=K._FLAT_BLOCK, SEED_FROM_PTR=from_ptr, FAST=K.FAST_MATH, num_warps=4,
+            g, out, norms, stats, params, key, bbase, n, D,
+            Q=K._FLAT_BLOCK * per // ref.BLOCK_WORDS, PER=per, FAST=K.FAST_MATH, num_warps=4,
         )
     return stats, norms
 
 
-def _pipe(K, a, b, part, stats, seed, seed_buf, tables=None, vec=False):
+def _pipe(K, a, b, part, stats, key, per, tables=None, vec=False):
     """One pipeline stage: pass 2 of A (or nothing) interleaved with pass 1 of B (or nothing).
 
-    Per-tensor form: a = (g, out, numel, rho, cbase, tiles), b = (x, numel, tiles).
+    Per-tensor form: a = (g, out, numel, bbase, tiles), b = (x, numel, tiles).
     Grouped form (tables given): a, b = (first tile, tiles) ranges of the address table.
     """
     a_tiles = 0 if a is None else a[-1]
     b_tiles = 0 if b is None else b[-1]
     if a_tiles + b_tiles == 0:
         return
-    seed_ptr, seed_val, from_ptr = _seed_args(seed, seed_buf, stats)
     if tables is None:
         dummy = b[0] if a is None else a[0]
-        ag, aout, an, arho, acb = (dummy, dummy, 0, 0.0, 0) if a is None else a[:5]
+        ag, aout, an, abb = (dummy, dummy, 0, 0) if a is None else a[:4]
         bx, bn = (dummy, 0) if b is None else b[:2]
         part = stats if part is None else part  # unused pointer arguments get any tensor
-        args = (ag, aout, an, arho, acb, a_tiles, 0, bx, bn, b_tiles, 0,
-                part, stats, seed_ptr, seed_val, part, part, part, 1)
+        args = (ag, aout, an, abb, a_tiles, 0, bx, bn, b_tiles, 0, part, stats, key, part, part, 1)
         grouped = False
     else:
-        meta, params, tile_tensor, x0 = tables
-        args = (x0, x0, 0, 0.0, 0, a_tiles, 0 if a is None else a[0], x0, 0, b_tiles, 0 if b is None else b[0],
-                part, stats, seed_ptr, seed_val, tile_tensor, meta, params, meta.shape[0] // 4)
+        meta, tile_tensor, x0 = tables
+        args = (x0, x0, 0, 0, a_tiles, 0 if a is None else a[0], x0, 0, b_tiles, 0 if b is None else b[0],
+                part, stats, key, tile_tensor, meta, meta.shape[0] // 4)
         grouped = True
     K._matrix_pipe_kernel[(a_tiles + b_tiles,)](
         *args, SUM_BLOCK=K._SUM_BLOCK, SUM_ITERS=K._SUM_ITERS, SUM_UNROLL=K._SUM_UNROLL, FLOOD_BLOCK=K._FLOOD_BLOCK,
-        FLOOD_ITERS=K._FLOOD_ITERS, GROUPED=grouped, VEC=vec, SEED_FROM_PTR=from_ptr, FAST=K.FAST_MATH,
-        num_warps=K._PIPE_WARPS,
+        FLOOD_ITERS=K._FLOOD_ITERS, GROUPED=grouped, VEC=vec, PER=per, FAST=K.FAST_MATH, num_warps=K._PIPE_WARPS,
     )
 
 
-def _matrix_stats(K, part, stats, numel, tiles, lam):
-    K._matrix_stats_kernel[(1,)](part, stats, numel, tiles, lam, part, part, 1, 0, BLOCK=_STATS_BLOCK, GROUPED=False)
+def _matrix_stats(K, part, stats, tiles, params):
+    K._matrix_stats_kernel[(1,)](part, stats, tiles, params, part, 1, 0, BLOCK=_STATS_BLOCK, GROUPED=False)
 
 
-def _matrix(K, g: Tensor, out: Tensor, rho, lam, seed, seed_buf, cbase, stats=None):
-    """Matrix flood of a flat contiguous ``g`` into ``out`` (may be ``g``); returns stats."""
+def _matrix(K, g: Tensor, out: Tensor, params: Tensor, key: Tensor, bbase: int, stats=None):
+    """Matrix flood of a flat contiguous ``g`` into ``out`` (may be ``g``); returns stats [sigma, ||G||, s]."""
     n = g.numel()
     if stats is None:
-        stats = torch.empty(2, dtype=torch.float32, device=g.device)
+        stats = torch.empty(3, dtype=torch.float32, device=g.device)
     if n == 0:
-        stats.zero_()
+        stats.copy_(torch.stack((params[1], params.new_zeros(()), params[0])))
         return stats
+    per = _per(g.dtype)
     tiles = _cdiv(n, _SPAN)
     part = torch.empty(tiles, 2, dtype=torch.float32, device=g.device)
-    _pipe(K, None, (g, n, tiles), part, stats, seed, seed_buf)
-    _matrix_stats(K, part, stats, n, tiles, lam)
-    _pipe(K, (g, out, n, rho, cbase, tiles), None, part, stats, seed, seed_buf)
+    _pipe(K, None, (g, n, tiles), part, stats, key, per)
+    _matrix_stats(K, part, stats, tiles, params)
+    _pipe(K, (g, out, n, bbase, tiles), None, part, stats, key, per)
     return stats
 
 
-def _matrix_chain(K, flats: list[Tensor], rhos, lams, cbases, seed, seed_buf):
+def _matrix_chain(K, flats: list[Tensor], params: list[Tensor], bbases, key):
     """Per-tensor in-place matrix floods, pipelined: pass 2 of tensor k runs with pass 1 of k + 1."""
     prev = None
-    for g, rho, lam, cb in zip(flats, rhos, lams, cbases):
+    for g, p, bb in zip(flats, params, bbases):
         n = g.numel()
         tiles = _cdiv(n, _SPAN)
         part = torch.empty(tiles, 2, dtype=torch.float32, device=g.device)
-        stats = torch.empty(2, dtype=torch.float32, device=g.device)
-        _pipe(K, prev[0] if prev else None, (g, n, tiles), part, prev[1] if prev else stats, seed, seed_buf)
-        _matrix_stats(K, part, stats, n, tiles, lam)
-        prev = ((g, g, n, rho, cb, tiles), stats)
+        stats = torch.empty(3, dtype=torch.float32, device=g.device)
+        _pipe(K, prev[0] if prev else None, (g, n, tiles), part, prev[1] if prev else stats, key, _per(g.dtype))
+        _matrix_stats(K, part, stats, tiles, p)
+        prev = ((g, g, n, bb, tiles), stats, _per(g.dtype))
     if prev is not None:
-        _pipe(K, prev[0], None, None, prev[1], seed, seed_buf)
+        _pipe(K, prev[0], None, None, prev[1], key, prev[2])
 
 
 _TABLES: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
@@ -827,11 +853,11 @@ def _pinned_to(values: list, dtype: torch.dtype, device: torch.device):
     return host.to(device, non_blocking=True), host
 
 
-def _group_layout(device: torch.device, itemsize: int, numels: tuple, rhos, lams, cbases):
+def _group_layout(device: torch.device, itemsize: int, numels: tuple, bbases):
     """What a grouped launch needs that does not depend on the tensors' addresses, cached by layout:
     training with zero_grad(set_to_none=True) moves gradients every step, and then only the address
     part of the table is rebuilt."""
-    key = (device, itemsize, numels, tuple(rhos), tuple(lams), tuple(cbases))
+    key = (device, itemsize, numels, tuple(bbases))
     hit = _LAYOUTS.get(key)
     if hit is not None:
         _LAYOUTS.move_to_end(key)
@@ -841,8 +867,7 @@ def _group_layout(device: torch.device, itemsize: int, numels: tuple, rhos, lams
     first = [0]
     for n in tiles:
         first.append(first[-1] + n)
-    static, s_host = _pinned_to(list(numels) + list(cbases) + first, torch.int64, device)
-    params, p_host = _pinned_to(list(rhos) + list(lams), torch.float32, device)
+    static, s_host = _pinned_to(list(numels) + list(bbases) + first, torch.int64, device)
     tile_host = torch.repeat_interleave(torch.arange(T, dtype=torch.int32), torch.tensor(tiles))
     tile_tensor, t_host = _pinned_to(tile_host.tolist(), torch.int32, device)
     # pipeline chunks: whole tensors, ~equal bytes, each stage big enough to hide its launch
@@ -854,15 +879,15 @@ def _group_layout(device: torch.device, itemsize: int, numels: tuple, rhos, lams
         if acc * m >= total * (len(chunks) + 1) or i == T - 1:
             chunks.append((start, i + 1))
             start = i + 1
-    entry = (static, params, tile_tensor, first, chunks, (s_host, p_host, t_host))
+    entry = (static, tile_tensor, first, chunks, (s_host, t_host))
     _LAYOUTS[key] = entry
     while len(_LAYOUTS) > _TABLES_MAX:
         _LAYOUTS.popitem(last=False)
     return entry
 
 
-def _group_tables(grads: list[Tensor], rhos, lams, cbases):
-    """Device tables of a grouped launch: meta = [addresses, numels, cbases, first tiles] per tensor.
+def _group_tables(grads: list[Tensor], bbases):
+    """Device tables of a grouped launch: meta = [addresses, numels, bbases, first tiles] per tensor.
 
     Cached by addresses (a captured CUDA graph keeps reading its table: those are never evicted);
     a new set of addresses costs one small host->device copy plus one device copy of the layout part.
@@ -870,7 +895,7 @@ def _group_tables(grads: list[Tensor], rhos, lams, cbases):
     device = grads[0].device
     numels = tuple(g.numel() for g in grads)
     ptrs = tuple(g.data_ptr() for g in grads)
-    key = (device, ptrs, numels, tuple(rhos), tuple(lams), tuple(cbases))
+    key = (device, ptrs, numels, tuple(bbases))
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     hit = _TABLES.get(key)
     if hit is not None:
@@ -883,116 +908,136 @@ def _group_tables(grads: list[Tensor], rhos, lams, cbases):
             "aegis flood_: this set of gradients was not seen before the CUDA-graph capture; run one "
             "eager (warm-up) step first so the grouped launch tables are cached"
         )
-    layout = _group_layout(device, grads[0].element_size(), numels, rhos, lams, cbases)
-    static, params, tile_tensor, first, chunks, layout_hosts = layout
+    static, tile_tensor, first, chunks, layout_hosts = _group_layout(device, grads[0].element_size(), numels, bbases)
     addresses, a_host = _pinned_to(list(ptrs), torch.int64, device)
     meta = torch.cat([addresses, static])
-    entry = (meta, params, tile_tensor, first, chunks, (a_host, layout_hosts))  # hosts: pinned sources stay alive
+    entry = (meta, tile_tensor, first, chunks, (a_host, layout_hosts))  # hosts: pinned sources stay alive
     _TABLES[key] = entry
     while len(_TABLES) > _TABLES_MAX:
         _TABLES.popitem(last=False)
     return entry
 
 
-def _matrix_grouped(K, grads: list[Tensor], rhos, lams, cbases, seed, seed_buf, vec: bool):
+def _matrix_grouped(K, grads: list[Tensor], params: Tensor, bbases, key, vec: bool):
     """In-place matrix flood of same-dtype contiguous tensors from one address table.
 
     Chunks c_0..c_m-1 of whole tensors: stage k floods c_k-1 while it sums c_k (2m + 1 launches,
     counting the per-chunk stats), so the arithmetic-bound floods overlap memory-bound sums.
     """
-    meta, params, tile_tensor, first, chunks, _ = _group_tables(grads, rhos, lams, cbases)
+    meta, tile_tensor, first, chunks, _ = _group_tables(grads, bbases)
     T = len(grads)
     dev = grads[0].device
+    per = _per(grads[0].dtype)
     part = torch.empty(first[-1], 2, dtype=torch.float32, device=dev)
-    stats = torch.empty(T, 2, dtype=torch.float32, device=dev)
-    tables = (meta, params, tile_tensor, grads[0])
+    stats = torch.empty(T, 3, dtype=torch.float32, device=dev)
+    tables = (meta, tile_tensor, grads[0])
     prev = None
     for t0, t1 in chunks:
         cur = (first[t0], first[t1] - first[t0])
-        _pipe(K, prev, cur, part, stats, seed, seed_buf, tables, vec)
-        K._matrix_stats_kernel[(t1 - t0,)](
-            part, stats, 0, 0, 0.0, meta, params, T, t0, BLOCK=_STATS_BLOCK, GROUPED=True
-        )
+        _pipe(K, prev, cur, part, stats, key, per, tables, vec)
+        K._matrix_stats_kernel[(t1 - t0,)](part, stats, 0, params, meta, T, t0, BLOCK=_STATS_BLOCK, GROUPED=True)
         prev = cur
-    _pipe(K, prev, None, part, stats, seed, seed_buf, tables, vec)
+    _pipe(K, prev, None, part, stats, key, per, tables, vec)
     return stats
 
 
 # ----------------------------------------------------------------------------- public launchers
-def noise(shape, seed: int, offset: int = 0, device=None) -> Tensor:
-    """The exact Z that the flood kernels add (fp32), from the (seed, offset) stream."""
+def noise(shape, key: Tensor, offset: int = 0, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
+    """The exact Z (fp32) that a flood with output ``dtype`` adds, from the (key, offset) stream."""
     ref.check_offset(offset)
     device = torch.device("cpu" if device is None else device)
+    key = _device_key(key, device)
     out = torch.empty(tuple(int(s) for s in shape), dtype=torch.float32, device=device)
     n = out.numel()
     if n:
         K = _kernels(device)
+        per = _per(dtype)
+        q = K._NOISE_BLOCK * per // ref.BLOCK_WORDS
         with _on(device):
-            K._noise_kernel[(_cdiv(n, K._NOISE_BLOCK),)](
-                out, n, _seed_arg(seed), offset // ref.LANES, BLOCK=K._NOISE_BLOCK, FAST=K.FAST_MATH, num_warps=4
+            K._noise_kernel[(_cdiv(n, q * ref.BLOCK_WORDS // per),)](
+                out, n, key, offset // ref.BLOCK_WORDS, Q=q, PER=per, FAST=K.FAST_MATH, num_warps=4
             )
     return out
 
 
-def flood(grad: Tensor, mode: str, rho: float, lam: float, rel_threshold: float, seed: int, offset: int = 0,
-          *, return_norms: bool = False):
+def keystream(key: Tensor, blocks: Tensor, domain: int = ref.NOISE_DOMAIN) -> Tensor:
+    """ChaCha words (n, 16) (int64 holding uint32) of int64 block counters, as reference.keystream."""
+    b = blocks.to(torch.int64).contiguous()
+    out = torch.empty(b.numel(), 16, dtype=torch.int64, device=b.device)
+    n = b.numel()
+    if n:
+        K = _kernels(b.device)
+        with _on(b.device):
+            K._keystream_kernel[(_cdiv(n, 256),)](b, out, n, _device_key(key, b.device), domain, BLOCK=256)
+    return out
+
+
+def _device_key(key: Tensor, device: torch.device) -> Tensor:
+    ref.check_key(key)
+    return key.to(device, non_blocking=True).contiguous()
+
+
+def flood(grad: Tensor, mode: str, params: Tensor, key: Tensor, offset: int = 0, *, return_norms: bool = False):
     """Functional flood -> (out, stats) (+ row norms for mode 'rows' with return_norms)."""
-    ref.check_params(grad, mode, rho, lam, rel_threshold)
+    ref.check_grad(grad, mode)
     ref.check_offset(offset)
     g = grad.contiguous()  # non-contiguous input: one copy, then the contiguous kernels
+    params = ref.as_params(params, g.device).contiguous()
+    key = _device_key(key, g.device)
     out = torch.empty_like(g, memory_format=torch.contiguous_format)
     K = _kernels(g.device)
     with _on(g.device):
         if mode == "rows":
-            stats, norms = _rows(K, g, out, rho, lam, rel_threshold, _seed_arg(seed), None, offset // ref.LANES)
+            stats, norms = _rows(K, g, out, params, key, offset // ref.BLOCK_WORDS)
         else:
-            stats = _matrix(K, g.view(-1), out.view(-1), rho, lam, _seed_arg(seed), None, offset // ref.LANES)
+            stats = _matrix(K, g.view(-1), out.view(-1), params, key, offset // ref.BLOCK_WORDS)
             norms = None
     return (out, stats, norms) if return_norms else (out, stats)
 
 
-def flood_(grads: list[Tensor], modes, rhos, lams, rel_threshold: float, seed, *, grouped: bool | None = None) -> None:
-    """In-place flood of many tensors under one seed; tensor k at ref.stream_offsets(...)[k].
+def flood_(grads: list[Tensor], modes, params: Tensor, key: Tensor, *, grouped: bool | None = None) -> None:
+    """In-place flood of many tensors under one key; tensor k at ref.stream_offsets(...)[k].
 
-    ``seed``: an int, or a 1-element int64 device tensor read by the kernels (graph replay).
-    Matrix-mode tensors of one (device, dtype, alignment) are flooded from one address table in
-    a few pipelined launches (CUDA only: the interpreter cannot load through the table);
-    ``grouped=False`` pipelines them tensor by tensor with the same kernels. Rows-mode tensors
-    get their own three launches each. The validated launch plan is cached per set of tensors, so
-    a training loop pays the Python work once.
+    ``params``: float32 (T, 4) device table (rho, sigma, clip, thr); ``key``: 8 int64 words on the
+    device (a captured graph reads both by address). Matrix-mode tensors of one (device, dtype,
+    alignment) are flooded from one address table in a few pipelined launches (CUDA only: the
+    interpreter cannot load through the table); ``grouped=False`` pipelines them tensor by tensor
+    with the same kernels. Rows-mode tensors get their own three launches each. The validated
+    launch plan is cached per set of tensors, so a training loop pays the Python work once.
     """
     modes = modes if isinstance(modes, str) else ",".join(modes)
     try:
         # alignment, not the address: the plan holds no pointers, and gradients move between steps
-        sig = (modes, tuple(rhos), tuple(lams), rel_threshold, grouped,
-               tuple((g.data_ptr() % 16, g.dtype, g.device, tuple(g.shape), g.is_contiguous()) for g in grads))
+        sig = (modes, grouped, tuple((g.data_ptr() % 16, g.dtype, g.device, tuple(g.shape), g.is_contiguous())
+                                     for g in grads))
     except Exception:  # e.g. a sparse gradient: let the full checks below explain
         sig = None
     plan = _PLANS.get(sig) if sig is not None else None
     if plan is None:
-        plan = _plan(grads, ref.split_modes(modes), list(rhos), list(lams), rel_threshold, grouped)
+        plan = _plan(grads, ref.split_modes(modes), grouped)
         if sig is not None:
             _PLANS[sig] = plan
             while len(_PLANS) > _TABLES_MAX:
                 _PLANS.popitem(last=False)
     else:
         _PLANS.move_to_end(sig)
-    seed_buf = seed if isinstance(seed, Tensor) else None
-    seed_val = 0 if seed_buf is not None else _seed_arg(seed)
+    ref.check_params_table(params, len(grads))
     copies = {i: grads[i].contiguous() for i in plan.copies}  # non-contiguous: flood a copy
     work = [copies.get(i, g) for i, g in enumerate(grads)]
     for kind, device, args in plan.steps:
         K = _kernels(device)
+        dkey = _device_key(key, device)
+        dparams = params.to(device, non_blocking=True)
         with _on(device):
             if kind == "rows":
-                i, rho, lam, cb = args
-                _rows(K, work[i], work[i], rho, lam, rel_threshold, seed_val, seed_buf, cb)
+                i, bb = args
+                _rows(K, work[i], work[i], dparams[i], dkey, bb)
             elif kind == "group":
-                idx, rs, ls, cbs, vec = args
-                _matrix_grouped(K, [work[i] for i in idx], rs, ls, cbs, seed_val, seed_buf, vec)
+                idx, index, bbs, vec = args
+                _matrix_grouped(K, [work[i] for i in idx], dparams.index_select(0, index), bbs, dkey, vec)
             else:
-                idx, rs, ls, cbs = args
-                _matrix_chain(K, [work[i].view(-1) for i in idx], rs, ls, cbs, seed_val, seed_buf)
+                idx, bbs = args
+                _matrix_chain(K, [work[i].view(-1) for i in idx], [dparams[i] for i in idx], bbs, dkey)
     for i, c in copies.items():
         grads[i].copy_(c)
 
@@ -1005,20 +1050,20 @@ class _Plan:
 _PLANS: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
 
 
-def _plan(grads, modes, rhos, lams, rel_threshold, grouped) -> _Plan:
+def _plan(grads, modes, grouped) -> _Plan:
     """Validate, assign stream offsets, and split into rows floods, grouped tables and chains."""
-    if not (len(grads) == len(modes) == len(rhos) == len(lams)):
-        raise ValueError("flood_: grads, modes, rhos and lams must have the same length")
-    for g, mode, rho, lam in zip(grads, modes, rhos, lams):
-        ref.check_params(g, mode, rho, lam, rel_threshold)
-    offsets = ref.stream_offsets([g.numel() for g in grads])
+    if len(grads) != len(modes):
+        raise ValueError("flood_: grads and modes must have the same length")
+    for g, mode in zip(grads, modes):
+        ref.check_grad(g, mode)
+    offsets = ref.stream_offsets([(g.numel(), g.dtype) for g in grads])
     copies = [i for i, g in enumerate(grads) if not g.is_contiguous()]
     steps, groups, chain = [], {}, {}
     for i, (g, mode) in enumerate(zip(grads, modes)):
         if g.numel() == 0:
             continue
         if mode == "rows":
-            steps.append(("rows", g.device, (i, float(rhos[i]), float(lams[i]), offsets[i] // ref.LANES)))
+            steps.append(("rows", g.device, (i, offsets[i] // ref.BLOCK_WORDS)))
             continue
         use_grouped = (g.device.type == "cuda" and not INTERPRETED) if grouped is None else grouped
         if use_grouped and i not in copies:
@@ -1028,58 +1073,34 @@ def _plan(grads, modes, rhos, lams, rel_threshold, grouped) -> _Plan:
         else:
             chain.setdefault(g.device, []).append(i)
     for (device, _, vec), idx in groups.items():
-        steps.append(("group", device, (idx, [float(rhos[i]) for i in idx], [float(lams[i]) for i in idx],
-                                        [offsets[i] // ref.LANES for i in idx], vec)))
+        index = torch.tensor(idx, dtype=torch.int64, device=device)
+        steps.append(("group", device, (idx, index, [offsets[i] // ref.BLOCK_WORDS for i in idx], vec)))
     for device, idx in chain.items():
-        steps.append(("chain", device, (idx, [float(rhos[i]) for i in idx], [float(lams[i]) for i in idx],
-                                        [offsets[i] // ref.LANES for i in idx])))
+        steps.append(("chain", device, (idx, [offsets[i] // ref.BLOCK_WORDS for i in idx])))
     return _Plan(steps, copies)
 
 
-def philox4x32(seed: int, counters: Tensor) -> Tensor:
-    """Philox4x32-10 words (int64 holding uint32) of int64 counters [n, 4] (words < 2^32)."""
-    c = counters.to(torch.int64).contiguous()
-    out = torch.empty_like(c)
-    n = c.shape[0]
-    if n:
-        K = _kernels(c.device)
-        with _on(c.device):
-            K._philox_kernel[(_cdiv(n, 1024),)](c, out, n, _seed_arg(seed), BLOCK=1024)
-    return out
-
-
-def uniform(words: Tensor) -> Tensor:
-    """The kernels' [0, 1) uniforms of Philox words (int64 tensor holding uint32 values)."""
-    x = words.to(torch.int64).contiguous()
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    n = x.numel()
-    if n:
-        K = _kernels(x.device)
-        with _on(x.device):
-            K._uniform_kernel[(_cdiv(n, 1024),)](x, out, n, BLOCK=1024)
-    return out
-
-
 def _check_state(state: Tensor) -> None:
-    if state.dtype != torch.int64 or state.shape != (2,) or not state.is_contiguous():
-        raise ValueError(f"state must be a contiguous int64 tensor [key, step], got {state.dtype} {tuple(state.shape)}")
+    if state.dtype != torch.int64 or state.shape != (ref.KEY_WORDS + 1,) or not state.is_contiguous():
+        raise ValueError(
+            f"state must be a contiguous int64 tensor [master key words x {ref.KEY_WORDS}, step], "
+            f"got {state.dtype} {tuple(state.shape)}"
+        )
 
 
-def derive_seed(state: Tensor) -> Tensor:
-    """seed = reference.derive_seed(key, step) on device (1-element int64) and step += 1."""
+def derive_key(state: Tensor) -> Tensor:
+    """key = reference.derive_key(master, step) on the device (8 int64 words), and step += 1."""
     _check_state(state)
-    seed_buf = torch.empty(1, dtype=torch.int64, device=state.device)
+    key = torch.empty(ref.KEY_WORDS, dtype=torch.int64, device=state.device)
     K = _kernels(state.device)
     with _on(state.device):
-        K._derive_seed_kernel[(1,)](state, seed_buf)
-    return seed_buf
+        K._derive_key_kernel[(1,)](state, key)
+    return key
 
 
-def flood_seeded_(grads: list[Tensor], modes, rhos, lams, rel_threshold: float, state: Tensor,
-                  *, grouped: bool | None = None) -> None:
-    """flood_ with seed = derive_seed(state[0], state[1]) computed on device; state[1] += 1."""
-    seed_buf = derive_seed(state)
-    flood_(grads, modes, rhos, lams, rel_threshold, seed_buf, grouped=grouped)
+def flood_keyed_(grads: list[Tensor], modes, params: Tensor, state: Tensor, *, grouped: bool | None = None) -> None:
+    """flood_ with the step key derived on the device from state = [master, step]; step += 1."""
+    flood_(grads, modes, params, derive_key(state), grouped=grouped)
 
 
 # ----------------------------------------------------------------------------- registration
@@ -1089,34 +1110,32 @@ _LIB = None
 def register() -> None:
     """Make the kernels the CUDA implementations of torch.ops.aegis.* (CPU keeps the reference).
 
-    flood, flood_ and flood_seeded_ go on the dispatcher's CUDA key directly: custom_op's
+    flood, flood_ and flood_keyed_ go on the dispatcher's CUDA key directly: custom_op's
     register_kernel wraps every call in a Python aliasing check that measured ~80 us per call on an
-    H100 host (207 vs 129 us), more than a rows flood's own launches. flood never returns a view
-    of its input (a fresh output), the in-place ops return nothing."""
+    H100 host, more than a rows flood's own launches. flood never returns a view of its input (a
+    fresh output), the in-place ops return nothing."""
     global _LIB
     from . import ops
 
-    def _flood_cuda(grad, mode, rho, lam, rel_threshold, seed, offset):
-        return flood(grad, mode, rho, lam, rel_threshold, seed, offset)
+    def _flood_cuda(grad, mode, params, key, offset):
+        return flood(grad, mode, params, key, offset)
 
-    def _flood__cuda(grads, modes, rhos, lams, rel_threshold, seed):
-        flood_(grads, modes, rhos, lams, rel_threshold, seed)
+    def _flood__cuda(grads, modes, params, key):
+        flood_(grads, modes, params, key)
 
-    def _flood_seeded__cuda(grads, modes, rhos, lams, rel_threshold, state):
-        ops.check_state(state)
-        flood_seeded_(grads, modes, rhos, lams, rel_threshold, state)
+    def _flood_keyed__cuda(grads, modes, params, state):
+        flood_keyed_(grads, modes, params, state)
 
     if _LIB is None:
         _LIB = torch.library.Library("aegis", "IMPL")
         _LIB.impl("flood", _flood_cuda, "CUDA")
         _LIB.impl("flood_", _flood__cuda, "CUDA")
-        _LIB.impl("flood_seeded_", _flood_seeded__cuda, "CUDA")
+        _LIB.impl("flood_keyed_", _flood_keyed__cuda, "CUDA")
 
-    # noise has no tensor input: once a device kernel is registered, torch dispatches it on its
-    # ``device`` argument, to registered devices only, so the CPU reference is registered too, in
-    # the same call (torch 2.11 installs that dispatcher once per call and refuses a second).
+    # noise has no tensor input but the key: it dispatches on the key's device (CPU keys are the
+    # norm), so the CUDA case is chosen by the ``device`` argument inside one CPU/CUDA kernel.
     @ops.noise.register_kernel(("cpu", "cuda"))
-    def _noise_cpu_cuda(shape, seed, offset, device):
+    def _noise_cpu_cuda(shape, key, offset, dtype, device):
         if torch.device(device).type == "cuda":
-            return noise(shape, seed, offset, device=device)
-        return ref.noise(tuple(shape), seed, offset, device=device)
+            return noise(shape, key, offset, dtype, device=device)
+        return ref.noise(tuple(shape), key, offset, dtype, device=device)
