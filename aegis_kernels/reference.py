@@ -58,28 +58,36 @@ PARAMS = 4  # rho, sigma, clip, thr
 
 # ----------------------------------------------------------------------------- keystream
 def _rotl(x: Tensor, n: int) -> Tensor:
-    return ((x << n) & MASK32) | (x >> (32 - n))
+    """32-bit rotate on int32 words (wrapping two's complement; the right shift masked to be logical)."""
+    return (x << n) | ((x >> (32 - n)) & ((1 << n) - 1))
 
 
 def _quarter(s: list[Tensor], a: int, b: int, c: int, d: int) -> None:
-    s[a] = (s[a] + s[b]) & MASK32
+    s[a] = s[a] + s[b]
     s[d] = _rotl(s[d] ^ s[a], 16)
-    s[c] = (s[c] + s[d]) & MASK32
+    s[c] = s[c] + s[d]
     s[b] = _rotl(s[b] ^ s[c], 12)
-    s[a] = (s[a] + s[b]) & MASK32
+    s[a] = s[a] + s[b]
     s[d] = _rotl(s[d] ^ s[a], 8)
-    s[c] = (s[c] + s[d]) & MASK32
+    s[c] = s[c] + s[d]
     s[b] = _rotl(s[b] ^ s[c], 7)
+
+
+def _int32(w: Tensor | int, device: torch.device) -> Tensor:
+    """A uint32 value (int or int64 tensor) as the int32 with the same bits."""
+    w = torch.as_tensor(w, dtype=torch.int64, device=device) & MASK32
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
 
 
 def chacha_block(state: Sequence[Tensor | int], rounds: int = ROUNDS) -> Tensor:
     """ChaCha block function (RFC 8439 §2.3) on 16 input words (int64 tensors or ints holding
-    uint32, broadcast together); returns the (..., 16) output words as int64."""
+    uint32, broadcast together); returns the (..., 16) output words as int64 holding uint32.
+    The arithmetic runs on int32 (wrapping addition is the cipher's mod 2^32)."""
     if rounds < 8 or rounds % 2:
         raise ValueError(f"rounds={rounds}: ChaCha needs an even round count >= 8")
     shape = torch.broadcast_shapes(*(torch.as_tensor(w).shape for w in state))
     device = next((w.device for w in state if isinstance(w, Tensor)), torch.device("cpu"))
-    init = [torch.as_tensor(w, dtype=torch.int64, device=device).expand(shape) & MASK32 for w in state]
+    init = [_int32(w, device).expand(shape) for w in state]
     s = list(init)
     for _ in range(rounds // 2):
         _quarter(s, 0, 4, 8, 12)
@@ -90,7 +98,7 @@ def chacha_block(state: Sequence[Tensor | int], rounds: int = ROUNDS) -> Tensor:
         _quarter(s, 1, 6, 11, 12)
         _quarter(s, 2, 7, 8, 13)
         _quarter(s, 3, 4, 9, 14)
-    return torch.stack([(x + x0) & MASK32 for x, x0 in zip(s, init)], dim=-1)
+    return torch.stack([x + x0 for x, x0 in zip(s, init)], dim=-1).to(torch.int64) & MASK32
 
 
 def keystream(key: Tensor, blocks: Tensor, domain: int = NOISE_DOMAIN, rounds: int = ROUNDS) -> Tensor:
@@ -186,13 +194,21 @@ def noise(shape: Sequence[int], key: Tensor, offset: int = 0, dtype: torch.dtype
           device=None) -> Tensor:
     """Standard normal Z (fp32) of ``shape`` for a flood whose output dtype is ``dtype``."""
     check_offset(offset)
+    check_key(key)
     n = math.prod(shape)
     device = torch.device(device or "cpu")
     per = words_per_element(dtype)
     per_block = BLOCK_WORDS // per
-    blocks = torch.arange((n + per_block - 1) // per_block, dtype=torch.int64, device=device) + offset // BLOCK_WORDS
-    z = _element_normals(keystream(key, blocks), per)
+    count = (n + per_block - 1) // per_block
+    z = torch.empty(count, per_block, dtype=torch.float32, device=device)
+    key = key.to(device)
+    for start in range(0, count, _CHUNK_BLOCKS):  # cache-sized chunks: ~40 passes over each
+        blocks = torch.arange(start, min(start + _CHUNK_BLOCKS, count), dtype=torch.int64, device=device)
+        z[start : start + len(blocks)] = _element_normals(keystream(key, blocks + offset // BLOCK_WORDS), per)
     return z.reshape(-1)[:n].reshape(tuple(shape))
+
+
+_CHUNK_BLOCKS = 16384
 
 
 def stream_offsets(tensors: Sequence[tuple[int, torch.dtype]]) -> list[int]:

@@ -34,9 +34,35 @@ FAMILIES = {
 }
 
 
+_ENCODER = dict(max_position_embeddings=64, **_LAYERS)
+_DISTIL = dict(vocab_size=VOCAB, pad_token_id=0, n_layers=1, dim=32, n_heads=2, hidden_dim=64, max_position_embeddings=64)
+_T5 = dict(vocab_size=VOCAB, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0, d_model=32, d_kv=16, d_ff=64,
+           num_layers=1, num_heads=2)
+
+# Further families (and heads) whose every parameter the policy must classify (tests/test_policy_roles.py).
+# Kept out of FAMILIES, whose shield tests (loss, export) have not been run on them.
+MORE_FAMILIES = {
+    "albert-mlm": _decoder(T.AlbertConfig, T.AlbertForMaskedLM, embedding_size=16, **_ENCODER),
+    "albert-cls": _decoder(T.AlbertConfig, T.AlbertForSequenceClassification, embedding_size=16, **_ENCODER),
+    "albert-pretraining": _decoder(T.AlbertConfig, T.AlbertForPreTraining, embedding_size=16, **_ENCODER),
+    "electra-discriminator": _decoder(T.ElectraConfig, T.ElectraForPreTraining, embedding_size=16, **_ENCODER),
+    "electra-generator": _decoder(T.ElectraConfig, T.ElectraForMaskedLM, embedding_size=16, **_ENCODER),
+    "electra-cls": _decoder(T.ElectraConfig, T.ElectraForSequenceClassification, embedding_size=16, **_ENCODER),
+    "distilbert-cls": lambda: T.DistilBertForSequenceClassification(T.DistilBertConfig(**_DISTIL)),
+    "distilbert-mlm": lambda: T.DistilBertForMaskedLM(T.DistilBertConfig(**_DISTIL)),
+    "bert-mlm": _decoder(T.BertConfig, T.BertForMaskedLM, **_ENCODER),
+    "roberta-mlm": _decoder(T.RobertaConfig, T.RobertaForMaskedLM, **_ENCODER),
+    "opt-projected": _decoder(T.OPTConfig, T.OPTForCausalLM, num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                              ffn_dim=64, word_embed_proj_dim=16, max_position_embeddings=64),
+    "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(**_T5)),
+    "t5-gated": lambda: T.T5ForConditionalGeneration(T.T5Config(**_T5, feed_forward_proj="gated-gelu")),
+}
+POLICY_FAMILIES = {**FAMILIES, **MORE_FAMILIES}
+
+
 def build(family: str, seed: int = 0):
     torch.manual_seed(seed)
-    return FAMILIES[family]().eval()
+    return POLICY_FAMILIES[family]().eval()
 
 
 def loss_of(model, seed: int = 0, batch: int = 2, length: int = 9):

@@ -12,7 +12,7 @@ import transformers
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 
 from aegis import AegisConfig, protect
-from aegis.baselines import DPSGD, NoDefence
+from aegis.baselines import DPSGD, NoDefence, lm_loss
 from aegis.fl import (
     AegisMod,
     ClientTrainer,
@@ -82,7 +82,7 @@ def test_mod_sends_masked_non_attention_fp32_gradient_configured_from_run_config
     assert {a.dtype for a in record.values()} == {"float32"}
     assert reply.content["aegis"]["digest"] == digest(record)
     assert trainer._aegis.config.preset == "utility"
-    assert reply.content["metrics"]["num-examples"] == 3
+    assert dict(reply.content["metrics"]) == {"num-examples": 1}
     clean = clean_gradient(tiny_gpt2(), lm_batch())
     shared = record["transformer.h.0.mlp.c_fc.weight"].numpy()
     assert not np.allclose(shared, clean["transformer.h.0.mlp.c_fc.weight"].numpy())
@@ -99,7 +99,7 @@ def test_mod_refuses_raw_gradient_even_with_a_forged_proof():
         grads = clean_gradient(tiny_gpt2(), lm_batch())
         record = pack_gradients({k: v for k, v in grads.items() if ".attn." not in k})
         proof = ConfigRecord({"masked": True, "digest": digest(record)})
-        return Message(RecordDict({"arrays": record, "aegis": proof, "metrics": MetricRecord({"num-examples": 3})}), reply_to=msg)
+        return Message(RecordDict({"arrays": record, "aegis": proof, "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
 
     assert "no shield masked" in _error_reason(AegisMod()(instruction(global_arrays()), context(), leaky))
 
@@ -112,7 +112,8 @@ def test_mod_refuses_reply_without_proof():
     assert "not marked as masked" in _error_reason(AegisMod()(instruction(global_arrays()), context(), unmarked))
 
 
-def _masked_reply(msg, config, tamper=False):
+def _masked_reply(msg, config, tamper=False, metrics=None, extra=None):
+    """An honest AEGIS reply (optionally tampered, with other metrics, or with extra records added)."""
     model = tiny_gpt2()
     shield = protect(model, None, config)
     model(**lm_batch()).loss.backward()
@@ -121,7 +122,14 @@ def _masked_reply(msg, config, tamper=False):
     if tamper:
         name = next(iter(record.keys()))
         record[name] = Array(np.zeros(record[name].shape, dtype=np.float32))
-    return Message(RecordDict({"arrays": record, "aegis": proof, "metrics": MetricRecord({"num-examples": 3})}), reply_to=msg)
+    content = RecordDict({"arrays": record, "aegis": proof, "metrics": MetricRecord(metrics or {"num-examples": 1})})
+    for key, value in (extra or {}).items():
+        content[key] = value
+    return Message(content, reply_to=msg)
+
+
+def _raw_mlp_gradient():
+    return clean_gradient(tiny_gpt2(), lm_batch())["transformer.h.0.mlp.c_fc.weight"]
 
 
 def test_mod_refuses_arrays_changed_after_masking():
@@ -161,16 +169,133 @@ def test_mod_refuses_bad_run_config_before_training(run_config, reason):
     assert reason in _error_reason(AegisMod()(instruction(global_arrays()), context(run_config), must_not_train))
 
 
-def test_mod_passes_error_and_metrics_only_replies_untouched():
+def test_mod_passes_error_replies_untouched():
     msg = instruction(global_arrays())
     error = Message(Error(code=2, reason="client crashed"), reply_to=msg)
     assert AegisMod()(msg, context(), lambda m, c: error) is error
-    metrics = Message(RecordDict({"metrics": MetricRecord({"loss": 1.0})}), reply_to=msg)
-    assert AegisMod()(msg, context(), lambda m, c: metrics) is metrics
+
+
+def test_reply_carries_only_masked_arrays_proof_and_a_constant_weight():
+    """No train-loss, no batch size, nothing else computed from the private batch."""
+    for size, seed in ((3, 1), (5, 2)):
+        batch = lm_batch(batch=size, seed=seed)
+        trainer = ClientTrainer(tiny_gpt2(), [batch])
+        reply = AegisMod()(instruction(global_arrays()), context(), trainer)
+        assert not reply.has_error()
+        content = reply.content
+        assert set(content.keys()) == {"arrays", "aegis", "metrics"}
+        assert list(content.array_records) == ["arrays"]
+        assert list(content.config_records) == ["aegis"] and set(content["aegis"]) == {"masked", "digest"}
+        assert list(content.metric_records) == ["metrics"]
+        assert dict(content["metrics"]) == {"num-examples": 1}  # the same for 3 and 5 examples
+        with torch.no_grad():
+            loss = float(lm_loss(trainer.model, batch))
+        for record in (*content.config_records.values(), *content.metric_records.values()):
+            for value in record.values():
+                assert value not in (loss, size), "a batch-derived value travels"
+    undefended = ClientTrainer(tiny_gpt2(), [lm_batch()], defence=NoDefence())(instruction(trainable_arrays(tiny_gpt2())), context())
+    assert set(undefended.content.keys()) == {"arrays", "metrics"}
+    assert dict(undefended.content["metrics"]) == {"num-examples": 1}
+
+
+def test_clean_loss_was_an_oracle_and_the_reply_no_longer_carries_it():
+    """The old `train-loss` field: with the global model, |Δloss| = 0 picks the true word order among 301."""
+    words = "alice wired the rent to bob on friday".split()  # 8 distinct words: 40320 orders
+    vocab = {w: 17 + 13 * i for i, w in enumerate(words)}
+    order = torch.tensor([[vocab[w] for w in words]])
+    batch = {"input_ids": order, "labels": order}
+    server_model = tiny_gpt2()  # the honest-but-curious server holds the global model
+    trainer = ClientTrainer(tiny_gpt2(seed=7), [batch], defence=NoDefence())
+    reply = trainer(instruction(trainable_arrays(server_model)), context())
+    with torch.no_grad():
+        old_field = float(lm_loss(trainer.model, batch))  # what the reply used to carry as "train-loss"
+
+    rng = np.random.default_rng(0)
+    candidates = {tuple(range(len(words)))}
+    while len(candidates) < 301:
+        candidates.add(tuple(int(i) for i in rng.permutation(len(words))))
+    candidates = sorted(candidates)
+    with torch.no_grad():
+        deltas = []
+        for perm in candidates:
+            ids = order[:, list(perm)]
+            deltas.append(abs(float(server_model(input_ids=ids, labels=ids).loss) - old_field))
+    ranking = sorted(range(len(candidates)), key=deltas.__getitem__)
+    truth = candidates.index(tuple(range(len(words))))
+    assert ranking[0] == truth and deltas[truth] == 0.0  # ranked 1st of 301, exactly
+    assert deltas[ranking[1]] > 0.0  # no other order fits
+
+    # The new reply carries no loss: nothing the server could rank candidates against.
+    assert "train-loss" not in reply.content["metrics"]
+    assert dict(reply.content["metrics"]) == {"num-examples": 1}
+    for record in (*reply.content.config_records.values(), *reply.content.metric_records.values()):
+        assert old_field not in list(record.values())
+
+
+def test_mod_refuses_a_metrics_only_reply():
+    msg = instruction(global_arrays())
+    metrics_only = lambda m, c: Message(RecordDict({"metrics": MetricRecord({"num-examples": 1, "train-loss": 1.25})}), reply_to=m)  # noqa: E731
+    reason = _error_reason(AegisMod()(msg, context(), metrics_only))
+    assert "metrics-only" in reason and "reply_content" in reason
+    empty = lambda m, c: Message(RecordDict(), reply_to=m)  # noqa: E731
+    assert "no ArrayRecord" in _error_reason(AegisMod()(msg, context(), empty))
+
+
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        (lambda g: {"leak": ConfigRecord({"grad": g.flatten().tolist()})}, "ConfigRecord(s) ['leak']"),
+        (lambda g: {"leak": MetricRecord({"grad": g.flatten().tolist()})}, "MetricRecord(s) ['leak']"),
+    ],
+    ids=["config-record", "metric-record"],
+)
+def test_mod_refuses_a_raw_gradient_smuggled_in_another_record(extra, named):
+    smuggler = lambda msg, ctx: _masked_reply(msg, AegisConfig(), extra=extra(_raw_mlp_gradient()))  # noqa: E731
+    reason = _error_reason(AegisMod()(instruction(global_arrays()), context(), smuggler))
+    assert named in reason and "remove them" in reason
+
+
+def test_mod_refuses_a_raw_gradient_smuggled_in_the_proof():
+    def smuggler(msg, ctx):
+        reply = _masked_reply(msg, AegisConfig())
+        reply.content["aegis"]["grad"] = _raw_mlp_gradient().flatten().tolist()
+        return reply
+
+    reason = _error_reason(AegisMod()(instruction(global_arrays()), context(), smuggler))
+    assert "['grad']" in reason and "proof" in reason
+
+
+@pytest.mark.parametrize(
+    "metrics,named",
+    [
+        ({"num-examples": 1, "train-loss": 5.3}, "unknown metric key(s) ['train-loss']"),
+        ({"num-examples": 1, "batch-tokens": 21}, "unknown metric key(s) ['batch-tokens']"),
+        ({"num-examples": 3}, "'num-examples' = 3"),  # the true batch size: computed from the private batch
+        ({"num-examples": 1.0}, "'num-examples' = 1.0"),
+    ],
+)
+def test_mod_refuses_unknown_metric_keys_and_batch_derived_weights(metrics, named):
+    leaky = lambda msg, ctx: _masked_reply(msg, AegisConfig(), metrics=metrics)  # noqa: E731
+    assert named in _error_reason(AegisMod()(instruction(global_arrays()), context(), leaky))
+
+
+def test_mod_refuses_an_extra_or_misplaced_array_record():
+    raw = lambda: pack_gradients({"w": _raw_mlp_gradient()})  # noqa: E731
+    extra = lambda msg, ctx: _masked_reply(msg, AegisConfig(), extra={"raw": raw()})  # noqa: E731
+    reason = _error_reason(AegisMod()(instruction(global_arrays()), context(), extra))
+    assert "['arrays', 'raw']" in reason and "drop the others" in reason
+
+    def misplaced(msg, ctx):  # the masked arrays under another key: not what the strategy reads
+        reply = _masked_reply(msg, AegisConfig())
+        content = RecordDict({"grads": reply.content["arrays"], "aegis": reply.content["aegis"], "metrics": reply.content["metrics"]})
+        return Message(content, reply_to=msg)
+
+    assert "['grads']" in _error_reason(AegisMod()(instruction(global_arrays()), context(), misplaced))
 
 
 def test_mod_rejects_a_fixed_seed_at_construction():
-    with pytest.raises(ValueError, match="secret seed"):
+    # AegisConfig itself may refuse a fixed seed first ("fixed key"); either way no mod is built with one.
+    with pytest.raises(ValueError, match="secret seed|fixed key"):
         AegisMod(AegisConfig(seed=3))
 
 
@@ -206,8 +331,8 @@ def grid_with(nodes):
     return InProcessGrid({n: must_not_train for n in nodes}, {n: context(node=n) for n in nodes})
 
 
-def reply(msg, grads, n, loss=1.0):
-    content = RecordDict({"arrays": arrays_of(grads), "metrics": MetricRecord({"num-examples": n, "train-loss": loss})})
+def reply(msg, grads, n, **metrics):
+    content = RecordDict({"arrays": arrays_of(grads), "metrics": MetricRecord({"num-examples": n, **metrics})})
     return Message(content, reply_to=msg)
 
 
@@ -223,13 +348,13 @@ def test_fedsgd_step_is_the_weighted_mean_gradient_times_lr():
         messages = list(strategy.configure_train(1, arrays_of(w0), ConfigRecord(), grid_with([1000, 1001, 1002, 1003])))
     assert len(messages) == 4
     assert all(m.metadata.message_type == MessageType.TRAIN and m.content["config"]["server-round"] == 1 for m in messages)
-    grads, sizes, losses = [random_values(s) for s in (1, 2, 3)], [1, 2, 5], [3.0, 2.0, 1.0]
-    replies = [reply(m, g, n, l) for m, g, n, l in zip(messages, grads, sizes, losses)]  # node 4 never answers
+    grads, sizes = [random_values(s) for s in (1, 2, 3)], [1, 2, 5]
+    replies = [reply(m, g, n, **{"train-loss": 2.0}) for m, g, n in zip(messages, grads, sizes)]  # node 4 never answers
     new, metrics = strategy.aggregate_train(1, replies)
     for k in SHAPES:
         mean = sum(n * g[k] for n, g in zip(sizes, grads)) / sum(sizes)
         np.testing.assert_allclose(new[k].numpy(), w0[k] - 0.5 * mean, rtol=1e-6, atol=1e-6)
-    assert metrics["train-loss"] == pytest.approx((3 + 4 + 5) / 8)
+    assert "train-loss" not in metrics  # a client metric is never aggregated into the round's record
     assert (metrics["clients-ok"], metrics["clients-failed"], metrics["clients-rejected"], metrics["clients-missing"]) == (3, 0, 0, 1)
 
 
@@ -296,7 +421,7 @@ def test_run_rounds_captures_exactly_what_undefended_clients_share_and_steps_fed
     clean = [clean_gradient(tiny_gpt2(), data[c][0]) for c in range(2)]
     for shared in run.captured[0]:
         assert shared.batch is data[shared.client][0]
-        assert shared.num_examples == 2 + shared.client
+        assert shared.metrics == {"num-examples": 1}  # not the batch size (2 + client): a public constant
         assert shared.grads.keys() == clean[shared.client].keys()
         for k, g in shared.grads.items():
             assert torch.equal(g, clean[shared.client][k]), k  # the server sees the exact gradient
@@ -304,9 +429,11 @@ def test_run_rounds_captures_exactly_what_undefended_clients_share_and_steps_fed
         assert torch.equal(v, initial[k])  # the caller's model is untouched
     params = dict(run.model.named_parameters())
     for k, p0 in tiny_gpt2().named_parameters():
-        mean = (2 * clean[0][k] + 3 * clean[1][k]) / 5
+        mean = (clean[0][k] + clean[1][k]) / 2  # every client weighs 1
         torch.testing.assert_close(params[k].detach(), p0.detach() - 0.1 * mean, rtol=1e-5, atol=1e-6)
     assert len(run.utility) == 2 and run.rounds[0]["clients-ok"] == 2
+    assert run.rounds[0]["loss"] == run.utility[1]["loss"]  # the server's own loss, no client's
+    assert "train-loss" not in run.rounds[0]
 
 
 def test_run_rounds_with_aegis_shares_only_masked_gradients_and_survives_faults():
@@ -367,6 +494,8 @@ def test_simulate_runs_the_app_server_and_clients_in_process():
     assert sorted(d.node_id for d in grid.deliveries) == [1000, 1001]
     for d in grid.deliveries:
         assert not d.reply.has_error()
+        assert set(d.reply.content.keys()) == {"arrays", "aegis", "metrics"}
+        assert dict(d.reply.content["metrics"]) == {"num-examples": 1}
         assert d.reply.content["aegis"]["masked"] is True
         assert not any(".attn." in k for k in d.reply.content["arrays"].keys())
 

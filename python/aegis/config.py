@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+import os
+import warnings
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, Mapping
@@ -9,6 +12,7 @@ from typing import Literal, Mapping
 ROLES = (
     "attention",
     "token_embedding",
+    "token_embedding_lora",
     "position_embedding",
     "lm_head",
     "mlp",
@@ -20,6 +24,24 @@ ROLES = (
 
 Kind = Literal["frozen", "rows", "matrix"]
 
+FIXED_KEY_ENV = "AEGIS_ALLOW_FIXED_KEY"  # tests only: lets AegisConfig(seed=...) through
+
+
+class Calibration(str, enum.Enum):
+    """Where each tensor's noise level sigma (and clip bound) comes from.
+
+    PUBLIC: the gradient of a public calibration batch (``protect(..., calibration_loss=...)``, or
+            synthetic tokens), refreshed every ``refresh_every`` steps; the private gradient is
+            clipped to a bound from the same public statistic. What leaves the client depends on
+            the private batch only through rho * clip(G).
+    BATCH:  the paper's calibration on the private gradient itself (sigma = lam * m_bar(G)). Its
+            noise level is readable from any large tensor and fingerprints the batch: for
+            reproducing the paper only; ``report()`` and ``inspect`` flag it as leaking.
+    """
+
+    PUBLIC = "public"
+    BATCH = "batch"
+
 
 @dataclass(frozen=True)
 class Treatment:
@@ -28,12 +50,13 @@ class Treatment:
     kind: Kind
     lam: float = 0.0
     rho: float = 1.0
+    clip: float = 2.0  # public calibration: private norms clipped to clip x the public batch's largest
 
     def __post_init__(self) -> None:
         if self.kind not in ("frozen", "rows", "matrix"):
             raise ValueError(f"Treatment kind={self.kind!r}: use 'frozen', 'rows' or 'matrix'")
-        if self.kind != "frozen" and (self.lam < 0 or self.rho < 0):
-            raise ValueError(f"Treatment lam={self.lam}, rho={self.rho}: both must be >= 0")
+        if self.kind != "frozen" and (self.lam < 0 or self.rho < 0 or not self.clip > 0):
+            raise ValueError(f"Treatment lam={self.lam}, rho={self.rho}, clip={self.clip}: lam, rho >= 0 and clip > 0")
 
     def describe(self) -> str:
         return "frozen" if self.kind == "frozen" else f"{self.kind} flood"
@@ -47,6 +70,9 @@ PAPER: Mapping[str, Treatment] = MappingProxyType(
     {
         "attention": FROZEN,
         "token_embedding": _EMBEDDING,
+        # LoRA factors indexed by token id: rows flood along the token axis (ParamPlan.rows_axis); the
+        # other factor of the pair (not token-indexed) gets a matrix flood at the embedding's strength
+        "token_embedding_lora": _EMBEDDING,
         "position_embedding": _EMBEDDING,
         "lm_head": _EMBEDDING,
         "mlp": Treatment("matrix", lam=8.0, rho=0.0),
@@ -73,17 +99,20 @@ class AegisConfig:
     overrides:      role -> Treatment replacing the preset's entry for that role.
     role_overrides: regex on parameter names -> role, checked before detection (first match wins).
     allow_clean:    regexes of parameter names exported UNFLOODED; explicit opt-out, shown in the report.
-    strict:         raise instead of warning when a trainable parameter's role is unknown.
-    rel_threshold:  tau of the rows flood (active rows have norm > tau * max norm).
-    seed:           fixed base seed, for tests and reproduction only. None (default) draws a fresh
-                    secret seed per step from ``secrets``; step k of a fixed seed s uses
-                    ``aegis_kernels.derive_seed(s, k)``.
-    device_seed:    keep the seed on the gradients' device and advance it there, so a captured CUDA
-                    graph of ``mask_()`` draws fresh noise on every replay.
+    strict:         raise (default) when a trainable parameter's role is unknown; False gives it the
+                    'other' flood with a warning.
+    rel_threshold:  tau of the rows flood (rows with norm > tau x the calibration's max norm carry signal).
+    calibration:    Calibration.PUBLIC (default) or Calibration.BATCH (the paper's; leaks the flood level).
+    refresh_every:  public calibration: recompute the public statistics every this many steps.
+    seed:           a fixed key, for tests only: refused unless the environment sets
+                    AEGIS_ALLOW_FIXED_KEY=1 (a known key lets anyone remove the noise). None (default)
+                    draws a fresh 256-bit key from ``secrets`` for every step.
+    device_seed:    keep a master key on the gradients' device and derive each step's key there through
+                    the cipher, so a captured CUDA graph of ``mask_()`` draws a fresh key on every replay
+                    (the master key is redrawn in a forked child).
     cuda_graph:     on CUDA, capture the grouped flood once as a CUDA graph and replay it whenever the
-                    gradients are back at addresses seen before (one launch per step instead of ~20;
-                    the seed is still chosen on the host per step, so the noise equals the eager
-                    path's). Pays off with ``zero_grad(set_to_none=False)``; with the default
+                    gradients are back at addresses seen before (one launch per step instead of ~20).
+                    Pays off with ``zero_grad(set_to_none=False)``; with the default
                     ``set_to_none=True`` the allocator moves gradients and every step runs eagerly.
     """
 
@@ -91,8 +120,10 @@ class AegisConfig:
     overrides: Mapping[str, Treatment] = field(default_factory=dict)
     role_overrides: Mapping[str, str] = field(default_factory=dict)
     allow_clean: tuple[str, ...] = ()
-    strict: bool = False
+    strict: bool = True
     rel_threshold: float = 0.01
+    calibration: Calibration = Calibration.PUBLIC
+    refresh_every: int = 100
     seed: int | None = None
     device_seed: bool = False
     cuda_graph: bool = False
@@ -105,8 +136,19 @@ class AegisConfig:
                 raise ValueError(f"unknown role {role!r} in overrides/role_overrides: roles are {ROLES}")
         if not 0.0 <= self.rel_threshold < 1.0:
             raise ValueError(f"rel_threshold={self.rel_threshold}: must lie in [0, 1)")
-        if self.seed is not None and not 0 <= self.seed < 2**62:
-            raise ValueError(f"seed={self.seed}: a fixed seed must lie in [0, 2**62)")
+        object.__setattr__(self, "calibration", Calibration(self.calibration))
+        if self.refresh_every < 1:
+            raise ValueError(f"refresh_every={self.refresh_every}: must be >= 1 (steps between public calibrations)")
+        if self.seed is not None:
+            if os.environ.get(FIXED_KEY_ENV) != "1":
+                raise ValueError(
+                    f"seed={self.seed}: a fixed key lets anyone who knows it subtract the noise. Leave seed=None "
+                    f"(a fresh secret key per step); tests may set {FIXED_KEY_ENV}=1 to allow it"
+                )
+            if not 0 <= self.seed < 2**256:
+                raise ValueError(f"seed={self.seed}: a fixed key must lie in [0, 2**256)")
+            warnings.warn(f"AegisConfig(seed={self.seed}): FIXED noise key (tests only); this noise is not secret",
+                          stacklevel=3)
 
     @property
     def treatments(self) -> dict[str, Treatment]:

@@ -4,11 +4,11 @@ Why: a small model's step is launch-bound (GPT-2 at batch 8: ~22 ms on an H200, 
 host), and the flood's ~20 kernel launches plus the custom op's Python dispatch cost more host time
 than its kernels take on the GPU. A replay is one launch.
 
-The noise stays that of the eager path: the step's seed is still chosen on the host (a fresh
-secret, or ``derive_seed(seed, step)`` for a fixed test seed) and reaches the graph as the
-``flood_seeded_`` state [key, step], copied from a pinned slot. Slots rotate and each waits for
-its previous copy, so a host running ahead of the GPU never overwrites a seed not yet read (two
-steps sharing noise would cancel it in their difference).
+The key is still chosen on the host per step (a fresh 256-bit secret) and reaches the graph as the
+``flood_keyed_`` state [master key x 8, step], copied from a pinned slot; the graph derives the
+step key from it through the cipher. Slots rotate and each waits for its previous copy, so a host
+running ahead of the GPU never overwrites a key not yet read (two steps sharing noise would cancel
+it in their difference). The parameter table is read by address: the shield updates it in place.
 """
 from __future__ import annotations
 
@@ -18,18 +18,19 @@ import torch
 from torch import Tensor
 
 _SLOTS = 4
+_STATE = 9  # master key words x 8, step
 _MAX_GRAPHS = 4  # e.g. gradients alternating between two sets of buffers
 _MAX_SEEN = 64
 
 
 class GraphedFlood:
-    """``flood_seeded_`` over one device's gradients; captured on the second call that sees a set of
+    """``flood_keyed_`` over one device's gradients; captured on the second call that sees a set of
     gradient addresses (the first, eager, warms the kernels' launch tables) and replayed whenever that
     set comes back (up to four sets). A new set runs eagerly."""
 
     def __init__(self, device: torch.device) -> None:
-        self.state = torch.zeros(2, dtype=torch.int64, device=device)
-        self._slots = [torch.zeros(2, dtype=torch.int64).pin_memory() for _ in range(_SLOTS)]
+        self.state = torch.zeros(_STATE, dtype=torch.int64, device=device)
+        self._slots = [torch.zeros(_STATE, dtype=torch.int64).pin_memory() for _ in range(_SLOTS)]
         self._views = [slot.numpy() for slot in self._slots]  # host writes without torch dispatch
         self._copied = [torch.cuda.Event() for _ in range(_SLOTS)]
         self._calls = 0
@@ -38,10 +39,9 @@ class GraphedFlood:
         self.disabled: str | None = None  # why capture was given up (then every call is eager)
         self.replays = self.captures = 0
 
-    def __call__(self, tensors: list[Tensor], modes: str, rhos: list[float], lams: list[float],
-                 rel_threshold: float, key: int, step: int) -> None:
-        self._load_state(key, step)
-        sig = tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors)
+    def __call__(self, tensors: list[Tensor], modes: str, params: Tensor, master: list[int], step: int) -> None:
+        self._load_state(master, step)
+        sig = (params.data_ptr(), *((t.data_ptr(), t.numel(), t.dtype) for t in tensors))
         graph = self._graphs.get(sig)
         if graph is not None:
             graph.replay()
@@ -49,7 +49,7 @@ class GraphedFlood:
             return
 
         def run() -> None:
-            torch.ops.aegis.flood_seeded_(tensors, modes, rhos, lams, rel_threshold, self.state)
+            torch.ops.aegis.flood_keyed_(tensors, modes, params, self.state)
 
         if self.disabled or sig not in self._seen:
             if len(self._seen) >= _MAX_SEEN:
@@ -81,10 +81,11 @@ class GraphedFlood:
             self._graphs.popitem(last=False)
         self.captures += 1
 
-    def _load_state(self, key: int, step: int) -> None:
+    def _load_state(self, master: list[int], step: int) -> None:
         i = self._calls % _SLOTS
         self._calls += 1
         self._copied[i].synchronize()  # the copy that last read this slot has run
-        self._views[i][0], self._views[i][1] = key, step
+        self._views[i][:-1] = master
+        self._views[i][-1] = step
         self.state.copy_(self._slots[i], non_blocking=True)
         self._copied[i].record()

@@ -3,13 +3,23 @@
 Rules, in order (first match wins):
   1. the user's ``role_overrides`` regexes;
   2. the input embedding matrix -> token_embedding; an untied output embedding -> lm_head;
-  3. parameters of normalisation modules -> norm;
-  4. anything inside an attention module (Q/K/V/O, fused QKV, LoRA adapters on them) -> attention;
-  5. other embedding tables (positions, token types) -> position_embedding;
-  6. remaining biases -> bias;
-  7. classification / pooling heads -> head;
-  8. MLP expansion and contraction matrices (incl. LoRA adapters on them) -> mlp;
-  9. anything else -> other (flooded, with a warning; an error with ``strict=True``).
+  3. peft LoRA factors of an ``nn.Embedding`` or of the output embedding, and peft trainable-token rows
+     -> ``LORA_EMBEDDING_ROLE`` (``ParamPlan.rows_axis`` says which axis the token ids index);
+  4. parameters of normalisation modules -> norm;
+  5. anything inside an attention module (Q/K/V/O, fused QKV, LoRA adapters on them) -> attention;
+  6. peft DoRA magnitude vectors (a per-feature gain, the gradient structure of a norm weight) -> norm;
+  7. other embedding tables (positions, token types) -> position_embedding;
+  8. remaining biases -> bias;
+  9. dense matrices applied to every token outside the blocks -> mlp: embedding projections (ALBERT
+     ``embedding_hidden_mapping_in``, ELECTRA ``embeddings_project``, OPT ``project_in/out``) and the
+     per-token transforms of MLM / replaced-token heads (BERT ``cls.predictions.transform.dense``, ALBERT
+     ``predictions.dense``, ELECTRA ``generator_predictions.dense`` / ``discriminator_predictions.dense``,
+     RoBERTa ``lm_head.dense``, DistilBERT ``vocab_transform``). Their gradient is a sum over the tokens
+     of outer products, the span structure of an MLP gradient, so they get the MLP flood, not the head's;
+  10. classification / pooling heads -> head;
+  11. MLP expansion and contraction matrices (incl. LoRA adapters on them) -> mlp;
+  12. anything else -> other: with ``strict=True`` an error naming the parameters and the fix, else the
+      weak 'other' flood with a warning.
 """
 from __future__ import annotations
 
@@ -19,19 +29,66 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .config import AegisConfig, Treatment
+from .config import ROLES, AegisConfig, Treatment
+
+# The role of peft LoRA factors on a vocabulary-indexed matrix (the lead adds it to config.ROLES and the
+# presets, at the embedding's strength). ``ParamPlan.rows_axis`` says which axis the token ids index.
+LORA_EMBEDDING_ROLE = "token_embedding_lora"
 
 # Family knowledge: class-name and parameter-path patterns of the transformers families we cover
-# (GPT-2/J/NeoX, OPT, LLaMA/Mistral/Qwen, Gemma, Phi, BERT/RoBERTa/DeBERTa, T5-style blocks).
+# (GPT-2/J/NeoX, OPT, LLaMA/Mistral/Qwen, Gemma, Phi, BERT/RoBERTa/DeBERTa, ALBERT, ELECTRA, DistilBERT,
+# T5-style blocks).
 _ATTENTION_CLASS = re.compile(r"Attention|SelfOutput$|Attn")
 _ATTENTION_PATH = re.compile(r"(^|\.)(attn|attention|self_attn|self_attention|cross_attn|encoder_attn)(\.|$)")
 _NORM_CLASS = re.compile(r"Norm")
-_MLP_CLASS = re.compile(r"MLP|Intermediate|FeedForward|FFN|Mlp|(?<!Self)Output$|Expert")
+_MLP_CLASS = re.compile(r"MLP|Intermediate|FeedForward|FFN|Mlp|(?<!Self)Output$|Expert|LayerFF$|DenseActDense$|DenseGatedActDense$")
 _MLP_PATH = re.compile(
-    r"(^|\.)(mlp|ffn|feed_forward|intermediate|experts|fc1|fc2|fc_in|fc_out|c_fc|w1|w2|w3|"
-    r"up_proj|gate_proj|down_proj|gate_up_proj|dense_h_to_4h|dense_4h_to_h|wi|wo)(\.|$)"
+    r"(^|\.)(mlp|ffn|ffn_output|feed_forward|intermediate|experts|fc1|fc2|fc_in|fc_out|c_fc|w1|w2|w3|"
+    r"up_proj|gate_proj|down_proj|gate_up_proj|dense_h_to_4h|dense_4h_to_h|wi|wi_0|wi_1|wo|DenseReluDense)(\.|$)"
 )
-_HEAD_PATH = re.compile(r"(^|\.)(score|classifier|pooler|qa_outputs|cls|heads?|out_head)(\.|$)")
+# Dense matrices applied to every token outside the blocks (rule 9): MLP span structure.
+_TOKEN_DENSE_PATH = re.compile(
+    r"(^|\.)(embedding_hidden_mapping_in|embeddings_project|project_in|project_out|vocab_transform|"
+    r"predictions\.transform\.dense|predictions\.dense|generator_predictions\.dense|"
+    r"discriminator_predictions\.dense|lm_head\.dense)(\.|$)"
+)
+_HEAD_PATH = re.compile(
+    r"(^|\.)(score|classifier|pre_classifier|pooler|qa_outputs|cls|heads?|out_head|dense_prediction)(\.|$)"
+)
+# peft LoRA: factors of an nn.Embedding live in ParameterDicts, those of a Linear in ModuleDicts of Linears.
+_LORA_EMBEDDING_PARTS = ("lora_embedding_A", "lora_embedding_B")
+_LORA_LINEAR_PARTS = ("lora_A", "lora_B")
+_TRAINABLE_TOKENS = "trainable_tokens_delta"  # peft trainable_token_indices: (k x d), row i for token idx[i]
+_DORA_MAGNITUDE = "lora_magnitude_vector"
+_ID_INDEXED_ROLES = ("token_embedding", "position_embedding", "lm_head")
+_CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList, nn.Sequential)
+
+
+def rows_axis_of(name: str, param: nn.Parameter, role: str) -> int | None:
+    """The axis of ``param`` whose slices are indexed by token (position, vocabulary) ids, else None.
+
+    0 for embedding tables and the output embedding (V x d: row v belongs to id v). For peft LoRA on an
+    embedding (``LORA_EMBEDDING_ROLE``; ``detect_role`` checked the layout against the base layer):
+      * ``lora_embedding_A`` is (r x V) and looked up by column (``F.embedding(x, A.T)``): its gradient is
+        non-zero exactly in the columns of the input tokens -> 1;
+      * ``lora_embedding_B`` is (d x r), a dense factor: no axis is token-indexed -> None (matrix flood at
+        the embedding's strength, see the comment in ``_lora_vocab_factor``);
+      * LoRA on the output embedding: ``lora_B`` is (V x r), row v feeds logit v -> 0; ``lora_A`` (r x d)
+        is dense -> None;
+      * peft ``trainable_token_indices``: ``trainable_tokens_delta`` is (k x d), row i is token idx[i]'s
+        (its gradient is non-zero iff that token occurs) -> 0.
+    """
+    if param.dim() != 2:
+        return None
+    if role in _ID_INDEXED_ROLES:
+        return 0
+    if role == LORA_EMBEDDING_ROLE:
+        parts = name.split(".")
+        if "lora_embedding_A" in parts:
+            return 1
+        if "lora_B" in parts or _TRAINABLE_TOKENS in parts:
+            return 0
+    return None
 
 
 @dataclass(frozen=True)
@@ -44,6 +101,11 @@ class ParamPlan:
     treatment: Treatment
     trainable: bool
     clean: bool  # allow-listed by the user: exported without flood
+
+    @property
+    def rows_axis(self) -> int | None:
+        """The axis a rows flood runs along (0: ids index rows, 1: columns), None when not id-indexed."""
+        return rows_axis_of(self.name, self.param, self.role)
 
     @property
     def flooded(self) -> bool:
@@ -69,6 +131,50 @@ def _module_path(model: nn.Module, name: str) -> list[nn.Module]:
     return chain
 
 
+def _lora_vocab_factor(name: str, param: nn.Parameter, chain: list[nn.Module], head: nn.Module | None) -> bool:
+    """Whether ``name`` is a peft LoRA factor of an nn.Embedding or of the output embedding.
+
+    peft's embedding LoRA adds ``s * B @ A[:, x_t]`` to token t's embedding (A: r x V, B: d x r). With
+    g_t the gradient at token t's embedding output:
+      * dA[:, v] = s * B^T * sum_{t: x_t = v} g_t is non-zero exactly in the input tokens' columns: the bag
+        of input tokens is read off the top column norms (the attack), so A needs the rows flood on axis 1;
+      * dB = s * sum_t g_t A[:, x_t]^T (d x r) is dense, yet its row space lies in span{A[:, x_t]} of the
+        input tokens: once A is non-zero (peft starts it at 0; training makes the seen tokens' columns
+        non-zero) and the batch has fewer distinct tokens than r, each vocabulary column A[:, v] can be
+        tested against that span (a DAGER-style membership test); its column space is span{g_t}, as in an
+        MLP gradient. It is not token-indexed (rows_axis None) but leaks as much as the embedding, so it
+        gets the same role: a matrix flood at the embedding's strength, not the weak 'other' one.
+    LoRA on the output embedding (``lora_B``: V x r, row v feeds logit v; ``lora_A``: r x d, dense) is the
+    transpose of the same picture and gets the same role (rows_axis 0 for B, None for A). So does peft's
+    ``trainable_tokens_delta`` (rows of chosen tokens of the embedding; rows_axis 0).
+    """
+    parts = name.split(".")
+    if _TRAINABLE_TOKENS in parts and param.dim() == 2:
+        return True
+    for i, part in enumerate(parts[:-1]):
+        if part not in _LORA_EMBEDDING_PARTS + _LORA_LINEAR_PARTS:
+            continue
+        layer = chain[i]  # chain[0] is the root: chain[i] owns attribute parts[i]
+        base = getattr(layer, "base_layer", None)
+        if base is None:
+            continue
+        if part in _LORA_EMBEDDING_PARTS and isinstance(base, nn.Embedding):
+            vocab = base.num_embeddings
+            axis = 1 if part == "lora_embedding_A" else 0  # A: (r, V); B: (d, r)
+            expected = vocab if part == "lora_embedding_A" else base.embedding_dim
+            if param.dim() != 2 or param.shape[axis] != expected:  # fail closed if peft's layout changes
+                raise ValueError(
+                    f"{name}: shape {tuple(param.shape)} is not peft's embedding-LoRA layout (A: r x "
+                    f"{vocab}, B: {base.embedding_dim} x r); name its role with AegisConfig(role_overrides=...)"
+                )
+            return True
+        if part in _LORA_LINEAR_PARTS and head is not None:
+            head_weight = getattr(head, "weight", None)
+            if layer is head or (head_weight is not None and getattr(base, "weight", None) is head_weight):
+                return True
+    return False
+
+
 def detect_role(model: nn.Module, name: str, param: nn.Parameter, overrides: list[tuple[re.Pattern, str]]) -> str:
     for pattern, role in overrides:
         if pattern.search(name):
@@ -80,6 +186,8 @@ def detect_role(model: nn.Module, name: str, param: nn.Parameter, overrides: lis
     if head is not None and param is getattr(head, "weight", None):
         return "lm_head"
     chain = _module_path(model, name)
+    if _lora_vocab_factor(name, param, chain, head):
+        return LORA_EMBEDDING_ROLE
     owner, leaf = chain[-1], name.rsplit(".", 1)[-1]
     classes = [type(m).__name__ for m in chain[1:]]
     path = name.rsplit(".", 1)[0] if "." in name else ""
@@ -87,10 +195,14 @@ def detect_role(model: nn.Module, name: str, param: nn.Parameter, overrides: lis
         return "norm"
     if any(_ATTENTION_CLASS.search(c) for c in classes) or _ATTENTION_PATH.search(path):
         return "attention"
+    if _DORA_MAGNITUDE in name.split("."):
+        return "norm"
     if isinstance(owner, nn.Embedding):
         return "position_embedding"
     if leaf == "bias" or leaf.endswith("_bias"):
         return "bias"
+    if param.dim() >= 2 and _TOKEN_DENSE_PATH.search(path):
+        return "mlp"
     if _HEAD_PATH.search(path) or owner is head:
         return "head"
     if param.dim() >= 2 and (any(_MLP_CLASS.search(c) for c in classes) or _MLP_PATH.search(path)):
@@ -98,8 +210,32 @@ def detect_role(model: nn.Module, name: str, param: nn.Parameter, overrides: lis
     return "other"
 
 
+def _module_class(model: nn.Module, name: str) -> str:
+    """The class of the module owning ``name`` and of its enclosing block (containers skipped)."""
+    chain = _module_path(model, name)
+    real = [m for m in chain if not isinstance(m, _CONTAINERS)]
+    if len(real) >= 2 and real[-1] is chain[-1]:
+        return f"{type(real[-1]).__name__} in {type(real[-2]).__name__}"
+    return type(real[-1]).__name__
+
+
+def _unknown_message(model: nn.Module, unknown: list[str], config: AegisConfig) -> str:
+    shown = ", ".join(f"{n!r} ({_module_class(model, n)})" for n in unknown[:10])
+    more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+    roles = ", ".join(repr(r) for r in ROLES if r != "other")
+    example = "^" + re.escape(unknown[0]) + "$"
+    other = config.treatments.get("other")
+    weak = f" (lam {other.lam}, rho {other.rho})" if other is not None and other.kind != "frozen" else ""
+    return (
+        f"AEGIS does not know the role of {len(unknown)} trainable parameter(s): {shown}{more}. "
+        f"Fix: name their role with AegisConfig(role_overrides={{regex: role}}), e.g. "
+        f"role_overrides={{r\"{example}\": \"mlp\"}}, with role one of {roles}; "
+        f"or pass strict=False to accept the weak 'other' flood{weak} for them."
+    )
+
+
 def plan(model: nn.Module, config: AegisConfig) -> list[ParamPlan]:
-    """Classify every parameter of ``model``; warn (or raise if strict) on unknown trainable ones."""
+    """Classify every parameter of ``model``; raise (strict) or warn on unknown trainable ones."""
     params = list(model.named_parameters())
     if not params:
         raise ValueError("the model has no parameters: pass the model you train (e.g. a transformers PreTrainedModel)")
@@ -109,6 +245,11 @@ def plan(model: nn.Module, config: AegisConfig) -> list[ParamPlan]:
     plans = []
     for name, param in params:
         role = detect_role(model, name, param, overrides)
+        if role not in treatments:
+            raise ValueError(
+                f"{name} has role {role!r}, which the preset gives no treatment: add it to the preset "
+                f"(AegisConfig(preset={{..., {role!r}: Treatment(...)}})) or overrides"
+            )
         plans.append(
             ParamPlan(
                 name=name,
@@ -121,10 +262,7 @@ def plan(model: nn.Module, config: AegisConfig) -> list[ParamPlan]:
         )
     unknown = [p.name for p in plans if p.role == "other" and p.trainable]
     if unknown:
-        message = (
-            f"AEGIS does not know the role of {len(unknown)} trainable parameter(s) {unknown[:5]}; "
-            "they get the 'other' flood. Name their role with AegisConfig(role_overrides={regex: role})."
-        )
+        message = _unknown_message(model, unknown, config)
         if config.strict:
             raise ValueError(message + " (strict=True)")
         warnings.warn(message, stacklevel=3)

@@ -1,16 +1,18 @@
 """The shield: freezes attention, floods every other trainable gradient, exports only masked ones."""
 from __future__ import annotations
 
-import secrets
+import os
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-import aegis_kernels
+import aegis_kernels  # noqa: F401  (registers torch.ops.aegis)
+import aegis_kernels.reference as ref
 
-from .config import AegisConfig
+from .calibration import PublicLoss, public_statistics, synthetic_loss
+from .config import AegisConfig, Calibration
 from .flood_graph import GraphedFlood
 from .policy import ParamPlan, plan
 
@@ -29,6 +31,12 @@ class ReportRow:
 @dataclass(frozen=True)
 class CoverageReport:
     rows: list[ReportRow]
+    calibration: Calibration = Calibration.PUBLIC
+
+    @property
+    def leaks_flood_level(self) -> bool:
+        """The paper's batch calibration: the exported noise level fingerprints the private batch."""
+        return self.calibration is Calibration.BATCH and bool(self.flooded)
 
     def count(self, action: str) -> int:
         return sum(r.action == action for r in self.rows)
@@ -50,7 +58,8 @@ class CoverageReport:
 class Shield:
     """Created by :func:`aegis.protect`. ``mask_()`` floods gradients in place; ``export()`` shares them."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: AegisConfig):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: AegisConfig,
+                 calibration_loss: PublicLoss | None = None):
         self.model, self.config = model, config
         self.plans = plan(model, config)
         frozen = [p.param for p in self.plans if p.treatment.kind == "frozen"]
@@ -62,34 +71,82 @@ class Shield:
             ParamPlan(p.name, p.param, p.role, p.treatment, p.param.requires_grad, p.clean) for p in self.plans
         ]
         self._flooded = [p for p in self.plans if p.flooded]
+        # a rows treatment floods rows along the token axis; a factor with none gets the matrix flood
+        self._modes = [p.treatment.kind if p.treatment.kind == "matrix" or p.rows_axis is not None else "matrix"
+                       for p in self._flooded]
+        self._transposed = [p.treatment.kind == "rows" and p.rows_axis == 1 for p in self._flooded]
+        self._loss = calibration_loss
+        self._params: Tensor | None = None  # public (rho, sigma, clip, thr) per flooded tensor, updated in place
+        self._calibrated_step = -1
+        self._fixed_key = ref.key_from_int(config.seed) if config.seed is not None else None
         self._step = 0
         self._masked: list[tuple[weakref.ref | None, int]] | None = None
+        self._checksum: Tensor | None = None
         self._state: Tensor | None = None
-        self._batches: dict[tuple[bool, ...], tuple[str, list[float], list[float]]] = {}
+        self._state_pid = 0
+        self._patterns: dict[tuple[bool, ...], tuple[str, Tensor | None]] = {}
         self._graphed: GraphedFlood | None = None
         self._hook = None
         if optimizer is not None:
             _drop_from_optimizer(optimizer, frozen)
             self._hook = optimizer.register_step_pre_hook(lambda *_: self.ensure_masked())
 
+    # -- calibration ---------------------------------------------------------------------
+    def calibrate(self) -> None:
+        """Recompute every flooded tensor's public (rho, sigma, clip, thr) from the public loss."""
+        if not self._flooded:
+            return
+        if self._loss is None:
+            self._loss = synthetic_loss(self.model)
+        tau = self.config.rel_threshold
+        stats = public_statistics([p.param for p in self._flooded], self._modes, self._loss, tau, self._transposed)
+        table = torch.stack([
+            ref.public_params(stat, mode, p.treatment.rho, p.treatment.lam, tau, p.treatment.clip)
+            for stat, mode, p in zip(stats, self._modes, self._flooded)
+        ])
+        if self._params is None or self._params.device != table.device:
+            self._params = table
+        else:
+            self._params.copy_(table)  # in place: a captured graph reads this address
+        self._calibrated_step = self._step
+
+    def _step_params(self, tensors: list[Tensor], index: Tensor | None) -> Tensor:
+        """The (n, 4) parameter table of the gradients present, for this step."""
+        if self.config.calibration is Calibration.BATCH:
+            present = self._flooded if index is None else [self._flooded[i] for i in index.tolist()]
+            tau = self.config.rel_threshold
+            modes = [self._modes[self._flooded.index(p)] for p in present]
+            return torch.stack([ref.batch_params(g, mode, p.treatment.rho, p.treatment.lam, tau)
+                                for g, p, mode in zip(tensors, present, modes)])
+        if self._params is None or self._step - self._calibrated_step >= self.config.refresh_every:
+            self.calibrate()
+        assert self._params is not None
+        return self._params if index is None else self._params.index_select(0, index.to(self._params.device))
+
     # -- masking -------------------------------------------------------------------------
     def mask_(self) -> None:
-        """Flood every trainable gradient in place, one grouped ``flood_`` call (fresh secret seed)."""
+        """Flood every trainable gradient in place, one grouped ``flood_`` call under a fresh secret key."""
+        if self.is_masked:
+            raise RuntimeError(
+                "mask_() called twice on the same gradients: they are already masked (a second flood "
+                "would add noise twice). Call backward() again first, or use ensure_masked()"
+            )
         grads = [p.param.grad for p in self._flooded]
-        tensors, modes, rhos, lams = self._batch(grads)
-        args = (tensors, modes, rhos, lams, self.config.rel_threshold)
-        if self.config.device_seed:
-            torch.ops.aegis.flood_seeded_(*args, self._device_state(tensors))
-        elif self._graphable(tensors):
-            key = self.config.seed if self.config.seed is not None else secrets.randbits(aegis_kernels.reference.SEED_BITS)
-            self._graphed(*args, key, self._step)  # seed derive_seed(key, step), as _next_seed for a fixed seed
-        else:
-            torch.ops.aegis.flood_(*args, self._next_seed())
+        tensors, modes, index = self._present(grads)
+        if tensors:
+            params = self._step_params(tensors, index)
+            if self.config.device_seed:
+                torch.ops.aegis.flood_keyed_(tensors, modes, params, self._device_state(tensors[0].device))
+            elif index is None and self._graphable(tensors):
+                self._graphed(tensors, modes, params, self._master_words(), self._step)
+            else:
+                torch.ops.aegis.flood_(tensors, modes, params, self._step_key().to(tensors[0].device))
         self._step += 1
         self._masked = [(None, 0) if g is None else (weakref.ref(g), g._version) for g in grads]
+        self._checksum = _checksum(tensors)
 
-    def _batch(self, grads: list[Tensor | None]) -> tuple[list[Tensor], str, list[float], list[float]]:
-        """The flood_ arguments for the gradients present (cached per pattern of missing ones)."""
+    def _present(self, grads: list[Tensor | None]) -> tuple[list[Tensor], str, Tensor | None]:
+        """The gradients present, their modes, and their rows of the parameter table (None: all)."""
         tensors = [g for g in grads if g is not None]
         for g in tensors:
             if g.layout != torch.strided:
@@ -98,18 +155,23 @@ class Shield:
                     f"{name} has a sparse gradient: AEGIS floods dense gradients only; build the "
                     "embedding with sparse=False (a sparse gradient would reveal the tokens it touches)"
                 )
+        # token ids index the columns of these: flood the transposed view (rows = tokens)
+        tensors = [g.t() if t else g for g, t in zip(grads, self._transposed) if g is not None]
         pattern = tuple(g is not None for g in grads)
-        cached = self._batches.get(pattern)
+        cached = self._patterns.get(pattern)
         if cached is None:
-            present = [p for p, g in zip(self._flooded, grads) if g is not None]
-            cached = (",".join(p.treatment.kind for p in present), [p.treatment.rho for p in present],
-                      [p.treatment.lam for p in present])
-            self._batches[pattern] = cached
-        return (tensors, *cached)
+            idx = [i for i, present in enumerate(pattern) if present]
+            modes = ",".join(self._modes[i] for i in idx)
+            cached = (modes, None if len(idx) == len(grads) else torch.tensor(idx, dtype=torch.int64))
+            self._patterns[pattern] = cached
+        return tensors, cached[0], cached[1]
 
     def _graphable(self, tensors: list[Tensor]) -> bool:
-        """CUDA-graph replay of the flood: on (config.cuda_graph), all on one GPU, not inside a capture."""
+        """CUDA-graph replay of the flood: on (config.cuda_graph), public calibration, all on one GPU,
+        not inside a capture."""
         if not (self.config.cuda_graph and tensors and tensors[0].is_cuda):
+            return False
+        if self.config.calibration is not Calibration.PUBLIC:
             return False
         device = tensors[0].device
         if any(t.device != device for t in tensors) or torch.cuda.is_current_stream_capturing():
@@ -118,17 +180,22 @@ class Shield:
             self._graphed = GraphedFlood(device)
         return True
 
-    def _next_seed(self) -> int:
-        if self.config.seed is None:
-            return secrets.randbits(aegis_kernels.reference.SEED_BITS)
-        return int(aegis_kernels.derive_seed(self.config.seed, self._step))
+    def _step_key(self) -> Tensor:
+        """A fresh 256-bit key per step (or, in tests, the fixed key's step key)."""
+        if self._fixed_key is not None:
+            return ref.derive_key(self._fixed_key, self._step)
+        return ref.new_key()
 
-    def _device_state(self, tensors: list[Tensor]) -> Tensor:
-        """[key, step] on the gradients' device, advanced by the op itself (CUDA-graph replay)."""
-        if self._state is None:
-            key = self.config.seed if self.config.seed is not None else secrets.randbits(aegis_kernels.reference.SEED_BITS)
-            device = tensors[0].device if tensors else "cpu"
-            self._state = torch.tensor([key, self._step], dtype=torch.int64, device=device)
+    def _master_words(self) -> list[int]:
+        return self._step_key().tolist()
+
+    def _device_state(self, device: torch.device) -> Tensor:
+        """[master key x 8, step] on the gradients' device, advanced by the op itself (CUDA-graph
+        replay); redrawn in a forked child so two processes never share a key."""
+        if self._state is None or self._state_pid != os.getpid() or self._state.device != device:
+            master = self._fixed_key if self._fixed_key is not None else ref.new_key()
+            self._state = torch.cat([master, torch.tensor([self._step])]).to(device)
+            self._state_pid = os.getpid()
         return self._state
 
     @property
@@ -136,12 +203,12 @@ class Shield:
         """True when every gradient is exactly what the last ``mask_()`` left (no backward since)."""
         if self._masked is None:
             return False
-        for p, (ref, version) in zip(self._flooded, self._masked):
+        for p, (ref_, version) in zip(self._flooded, self._masked):
             grad = p.param.grad
-            if ref is None:
+            if ref_ is None:
                 if grad is not None:
                     return False
-            elif grad is None or ref() is not grad or grad._version != version:
+            elif grad is None or ref_() is not grad or grad._version != version:
                 return False
         return True
 
@@ -152,11 +219,18 @@ class Shield:
 
     # -- sharing -------------------------------------------------------------------------
     def export(self, include_frozen: bool = False) -> dict[str, Tensor]:
-        """{name: masked gradient} of trainable parameters; fails closed if not masked."""
+        """{name: masked gradient} of trainable parameters; fails closed unless the gradients are
+        exactly what ``mask_()`` produced (same tensors, versions and checksum)."""
         if not self.is_masked:
             raise RuntimeError(
                 "export() refused: the gradients are not masked (call shield.mask_() after backward(), "
                 "or export before optimizer.zero_grad())"
+            )
+        present = [p.param.grad for p in self._flooded if p.param.grad is not None]
+        if self._checksum is not None and not torch.equal(_checksum(present), self._checksum):
+            raise RuntimeError(
+                "export() refused: a gradient changed after mask_() without a version bump (a write through "
+                ".data?); call backward() and mask_() again"
             )
         out = {}
         for p in self.plans:
@@ -182,7 +256,7 @@ class Shield:
                     numel=p.param.numel(),
                 )
             )
-        return CoverageReport(rows)
+        return CoverageReport(rows, self.config.calibration)
 
     def trainer_callback(self):
         """A ``transformers.TrainerCallback`` that masks right before each optimizer step."""
@@ -197,6 +271,13 @@ class Shield:
             self._hook = None
 
 
+def _checksum(tensors: list[Tensor]) -> Tensor | None:
+    """Per-tensor fp32 L2 norms on the device: export() compares them with mask_()'s, bit for bit."""
+    if not tensors:
+        return None
+    return torch.stack([n.to(tensors[0].device) for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)])
+
+
 def _drop_from_optimizer(optimizer: torch.optim.Optimizer, frozen: list[nn.Parameter]) -> None:
     """Frozen parameters leave the optimizer so weight decay or momentum cannot move them."""
     ids = {id(p) for p in frozen}
@@ -207,7 +288,13 @@ def _drop_from_optimizer(optimizer: torch.optim.Optimizer, frozen: list[nn.Param
 
 
 def protect(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, config: AegisConfig | None = None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: AegisConfig | None = None,
+    calibration_loss: PublicLoss | None = None,
 ) -> Shield:
-    """Apply AEGIS to ``model``: freeze attention now; flood before every optimizer step."""
-    return Shield(model, optimizer, config or AegisConfig())
+    """Apply AEGIS to ``model``: freeze attention now; flood before every optimizer step.
+
+    ``calibration_loss()``: a scalar loss on PUBLIC data (e.g. ``aegis.calibration.text_loss``) that
+    sets every tensor's noise level and clip bound; None uses synthetic tokens of a fixed shape."""
+    return Shield(model, optimizer, config or AegisConfig(), calibration_loss)

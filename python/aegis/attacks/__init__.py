@@ -6,9 +6,10 @@ or all-zero tensor means that channel is closed: an attack returns what it can, 
 """
 from .dager import dager
 from .gradients import shared_gradient
+from .labels import infer_labels, label_accuracy, label_null
 from .mlp_span import mlp_span
 from .spectral import spectral
 from .embedding_norm import embedding_norm
 from .tag import tag
 
-__all__ = ["shared_gradient", "dager", "mlp_span", "spectral", "embedding_norm", "tag"]
+__all__ = ["shared_gradient", "dager", "mlp_span", "spectral", "embedding_norm", "tag", "infer_labels", "label_accuracy", "label_null"]

@@ -39,6 +39,11 @@ decoder (``aegis.models.default_decoder``) on its shard (``partition-id`` / ``nu
 shipped corpus's train split; the server evaluates validation loss/perplexity after every round. The ClientApp's train function runs under
 :class:`~aegis.fl.client.AegisMod`, so AEGIS settings come from the run config and nothing unmasked leaves.
 
+A client's reply is the masked gradient, the mod's proof and ``num-examples`` = 1 (a public constant:
+FedSGD takes the unweighted mean), nothing else: no training loss (with the global model the clean batch
+loss is an exact oracle for the private batch, see :mod:`aegis.fl.client`). The loss the server reports
+is :func:`validation_loss` on the held-out validation split.
+
 **Without Ray.** :func:`simulate` runs these same two apps in this process over :class:`InProcessGrid`;
 :func:`run_rounds` runs FedSGD rounds for any model, data and defence and returns every gradient the
 server received (the honest-but-curious attacker's view) with the batch it came from — what the audit
@@ -182,14 +187,17 @@ def _flower_log_level(level: int | None) -> Iterator[None]:
 # -- the audit's runner ------------------------------------------------------------------------
 @dataclass
 class SharedGradient:
-    """What one client shared in one round, as the server received it, and the private batch behind it."""
+    """What one client shared in one round, as the server received it, and the private batch behind it.
+
+    The reply carried ``grads`` and ``metrics`` (the public constant ``{"num-examples": 1}``) plus, under
+    AEGIS, the masking proof; no loss and no batch size. ``batch`` is the client's ground truth, never sent.
+    """
 
     server_round: int
     client: int  # index into client_batches
     grads: dict[str, Tensor]  # fp32, CPU: exactly the arrays of the reply
     batch: Batch  # ground truth for scoring attacks (never sent)
-    num_examples: int
-    loss: float
+    metrics: dict[str, float]  # the reply's MetricRecord, as received
 
 
 @dataclass
@@ -199,7 +207,9 @@ class FederatedRun:
     defence: str
     captured: list[list[SharedGradient]]  # captured[r - 1]: round r's usable replies, by client index
     utility: list[dict[str, float]]  # utility[0] before training, utility[r] after round r (eval_fn)
-    rounds: list[dict[str, float]]  # FedSGD's metrics per round: clients-ok/-failed/-rejected/-missing, train-loss
+    # rounds[r - 1]: FedSGD's client counts of round r (clients-ok/-failed/-rejected/-missing) and eval_fn's
+    # metrics of the model after round r (server-side, held-out data: clients send no loss)
+    rounds: list[dict[str, float]]
     model: nn.Module  # the global model after the last round
     reports: list[dict[str, float]]  # per client: its defence's report (e.g. DP-SGD epsilon)
 
@@ -228,7 +238,8 @@ def run_rounds(
                      :func:`aegis.baselines.make_defence` ("prune-90", ...) or a factory ``() -> Defence``
                      (called once per client, so per-client state such as DP accounting stays separate).
     optimizer, lr:   the server's FedSGD step.
-    eval_fn:         ``global_model -> {metric: value}``, run before round 1 and after every round.
+    eval_fn:         ``global_model -> {metric: value}``, run before round 1 and after every round (the
+                     server's own loss curve: clients send no loss); also merged into ``rounds``.
     faults:          ``{(round, client): "raise" | "absent"}``: that client raises, or never answers.
     on_round:        called with the round number after each round (progress bars).
     quiet:           silence Flower's INFO logging for the run.
@@ -283,15 +294,14 @@ def run_rounds(
             continue
         c = d.node_id - FIRST_NODE_ID
         record = next(iter(d.reply.content.array_records.values()))
-        metrics = next(iter(d.reply.content.metric_records.values()))
+        metrics = next(iter(d.reply.content.metric_records.values()), {})
         captured[d.server_round - 1].append(
             SharedGradient(
                 server_round=d.server_round,
                 client=c,
                 grads={k: torch.from_numpy(a.numpy()) for k, a in record.items()},
                 batch=trainers[c].batches_used[d.server_round],
-                num_examples=int(metrics["num-examples"]),
-                loss=float(metrics["train-loss"]),
+                metrics=dict(metrics),
             )
         )
     for shared in captured:
@@ -300,7 +310,13 @@ def run_rounds(
         defence=_defence_name(aegis_config, trainers),
         captured=captured,
         utility=utility,
-        rounds=[{k: float(v) for k, v in result.train_metrics_clientapp.get(r, {}).items()} for r in range(1, rounds + 1)],
+        rounds=[
+            {
+                **{k: float(v) for k, v in result.evaluate_metrics_serverapp.get(r, {}).items()},
+                **{k: float(v) for k, v in result.train_metrics_clientapp.get(r, {}).items()},
+            }
+            for r in range(1, rounds + 1)
+        ],
         model=server_model,
         reports=[t.defence.report() if t.defence is not None else {} for t in trainers],
     )

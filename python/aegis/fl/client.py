@@ -7,10 +7,27 @@ split as Opacus's optimizer + module wrapper):
   and packs ``shield.export()`` with :func:`pack_masked`, which also records a *receipt* (the digest of
   the packed arrays and the AEGIS configuration used) in the mod's call scope;
 * :class:`AegisMod` configures AEGIS from ``context.run_config`` at call time (the train function reads
-  it with :func:`active_config`) and, on the way back, refuses any reply carrying arrays unless they are
-  byte for byte what a shield masked during this very call with this call's configuration. A forgotten
-  ``mask_()``, a raw ``p.grad`` packed by hand, arrays edited after masking, a wrong preset or a fixed
-  seed all turn into an error reply; nothing unmasked is sent.
+  it with :func:`active_config`) and, on the way back, refuses any reply that is not exactly an AEGIS
+  reply (below) whose arrays are byte for byte what a shield masked during this very call with this
+  call's configuration. A forgotten ``mask_()``, a raw ``p.grad`` packed by hand, arrays edited after
+  masking, a wrong preset or a fixed seed, a metrics-only reply, an extra record (a raw gradient in a
+  ConfigRecord or MetricRecord, a second ArrayRecord) or an unknown metric all turn into an error reply;
+  nothing unmasked is sent.
+
+**What a train reply contains** (:func:`reply_content` builds it; nothing else passes the mod):
+
+* ``"arrays"`` — one ArrayRecord: the masked gradient of the trainable parameters (fp32);
+* ``"aegis"`` — the proof ConfigRecord ``{"masked": True, "digest": <sha256 of the arrays>}``;
+* ``"metrics"`` — the MetricRecord ``{"num-examples": 1}`` (:data:`REPLY_METRICS`): a public constant
+  weight, so FedSGD takes the unweighted mean of the clients' gradients (each already a per-example
+  mean over the client's batch; the batch size is a configured public constant anyway).
+
+Nothing computed from the private batch travels besides the masked gradient. In particular the clean
+batch loss is **not** sent: with the global model the server can score any candidate text by its loss,
+and the candidate whose loss equals the reported one is the private batch (the true word order of a
+sentence ranks first among all its permutations, with |Δloss| = 0). The true batch size is not sent
+either (a short last batch tells the size of the client's shard). The server measures the loss on its
+own held-out data instead (``aegis.fl.app.validation_loss``).
 
 Register the mod first so it is the last to touch the reply: ``@app.train(mods=[AegisMod(), ...])``.
 """
@@ -36,6 +53,11 @@ MOD_FAILED_PRECONDITION = 6
 
 # run_config key -> AegisConfig field. A seed is deliberately absent: see config_from_run_config.
 RUN_CONFIG_KEYS = {"aegis-preset": "preset", "aegis-rel-threshold": "rel_threshold", "aegis-strict": "strict"}
+
+# The only metrics a reply may carry, with the only value each may take: public constants, nothing
+# computed from the private batch. "num-examples" is the FedSGD weight: 1 per client (unweighted mean).
+REPLY_METRICS: dict[str, int] = {"num-examples": 1}
+PROOF_FIELDS = ("masked", "digest")
 
 
 def config_from_run_config(run_config: Mapping, base: AegisConfig | None = None) -> AegisConfig:
@@ -105,6 +127,18 @@ def pack_masked(shield: Shield) -> tuple[ArrayRecord, ConfigRecord]:
     return record, ConfigRecord({"masked": True, "digest": d})
 
 
+def reply_content(arrays: ArrayRecord, proof: ConfigRecord | None = None) -> RecordDict:
+    """The whole content of a train reply: the arrays, the proof (AEGIS) and :data:`REPLY_METRICS`.
+
+    ``reply_content(*pack_masked(shield))`` is what :class:`AegisMod` lets through; add nothing to it.
+    """
+    content = RecordDict({ARRAYS_KEY: arrays})
+    if proof is not None:
+        content[PROOF_KEY] = proof
+    content[METRICS_KEY] = MetricRecord(dict(REPLY_METRICS))
+    return content
+
+
 def refuse(msg: Message, reason: str) -> Message:
     """The error reply AegisMod sends instead of an unmasked one."""
     return Message(Error(code=MOD_FAILED_PRECONDITION, reason=f"AegisMod refused to send the reply: {reason}"), reply_to=msg)
@@ -134,20 +168,67 @@ class AegisMod:
             reply = call_next(msg, context)
         finally:
             _SESSION.reset(token)
-        if reply.has_error() or not reply.content.array_records:
-            return reply  # nothing to leak: an error, or metrics only
+        if reply.has_error():
+            return reply  # an error carries no records
         problem = _unmasked(reply.content, session)
         return reply if problem is None else refuse(msg, problem)
 
 
+_BUILD_HINT = "build the reply with aegis.fl.client.reply_content(*pack_masked(shield)) and add nothing to it"
+
+
 def _unmasked(content: RecordDict, session: _Session) -> str | None:
-    """Why the reply's arrays cannot be trusted as masked in this session, or None."""
-    if len(content.array_records) != 1:
-        return f"{len(content.array_records)} ArrayRecords in the reply; an AEGIS reply carries exactly one"
-    record = next(iter(content.array_records.values()))
-    proof = content.config_records.get(PROOF_KEY)
+    """Why the reply is not exactly an AEGIS reply masked in this session, or None.
+
+    Allowed, and required: one ArrayRecord under ``"arrays"`` masked during this call, the proof
+    ConfigRecord under ``"aegis"`` (fields ``masked`` and ``digest`` only) and the MetricRecord under
+    ``"metrics"`` equal to :data:`REPLY_METRICS`. Any other record could carry the private batch.
+    """
+    arrays, configs, metrics = content.array_records, content.config_records, content.metric_records
+    if not arrays:
+        return (
+            "the reply carries no ArrayRecord (a metrics-only reply): an AEGIS train reply is the masked "
+            f"gradient, its proof and {REPLY_METRICS}; {_BUILD_HINT}"
+        )
+    if list(arrays) != [ARRAYS_KEY]:
+        return (
+            f"{len(arrays)} ArrayRecord(s) {sorted(arrays)} in the reply; an AEGIS reply carries exactly one, "
+            f"the masked gradient under '{ARRAYS_KEY}': drop the others ({_BUILD_HINT})"
+        )
+    extra_configs = sorted(k for k in configs if k != PROOF_KEY)
+    if extra_configs:
+        return (
+            f"ConfigRecord(s) {extra_configs} in the reply: only the proof '{PROOF_KEY}' may travel "
+            f"(any other record could carry a raw gradient or the loss); remove them ({_BUILD_HINT})"
+        )
+    extra_metrics = sorted(k for k in metrics if k != METRICS_KEY)
+    if extra_metrics:
+        return (
+            f"MetricRecord(s) {extra_metrics} in the reply: only '{METRICS_KEY}' = {REPLY_METRICS} may travel; "
+            f"remove them ({_BUILD_HINT})"
+        )
+    if METRICS_KEY not in metrics:
+        return f"the reply has no MetricRecord '{METRICS_KEY}' = {REPLY_METRICS} (FedSGD needs its weight); {_BUILD_HINT}"
+    unknown = sorted(k for k in metrics[METRICS_KEY] if k not in REPLY_METRICS)
+    if unknown:
+        return (
+            f"unknown metric key(s) {unknown}: a reply may carry only {sorted(REPLY_METRICS)} "
+            "(metrics computed from the private batch, such as its loss, let the server recover it); remove them"
+        )
+    for key, expected in REPLY_METRICS.items():
+        value = metrics[METRICS_KEY].get(key)
+        if type(value) is not type(expected) or value != expected:
+            return (
+                f"metric '{key}' = {value!r}, expected the public constant {expected!r} "
+                "(a value computed from the private batch must not travel); send REPLY_METRICS unchanged"
+            )
+    record = arrays[ARRAYS_KEY]
+    proof = configs.get(PROOF_KEY)
     if proof is None or proof.get("masked") is not True:
         return "the arrays are not marked as masked (pack them with aegis.fl.pack_masked(shield))"
+    if sorted(proof) != sorted(PROOF_FIELDS):
+        extra = sorted(set(proof) - set(PROOF_FIELDS))
+        return f"the proof '{PROOF_KEY}' has fields {extra} beyond {list(PROOF_FIELDS)}: send pack_masked's proof unchanged"
     d = digest(record)
     if proof.get("digest") != d:
         return "the arrays changed after masking (digest mismatch)"
@@ -162,8 +243,10 @@ class ClientTrainer:
     """One FedSGD client as a ClientApp train function ``(Message, Context) -> Message``.
 
     Each call loads the global trainable arrays into ``model``, takes this round's batch, computes the
-    gradient of ``loss_fn``, applies the defence and replies with the shared gradient (fp32 ArrayRecord
-    ``arrays``) and a MetricRecord ``metrics`` with ``num-examples`` and ``train-loss``.
+    gradient of ``loss_fn``, applies the defence and replies with :func:`reply_content`: the shared
+    gradient (fp32 ArrayRecord ``arrays``), the AEGIS proof and ``metrics`` = :data:`REPLY_METRICS`
+    (``num-examples`` = 1, a public constant). The batch loss is computed but never sent (it is an
+    oracle for the batch, see the module docstring); nor is the true batch size.
 
     defence:  ``None`` (default) = AEGIS configured by the enclosing AegisMod (required then); an
               :class:`aegis.baselines.Aegis` adds the masking proof; any other Defence (the audit's
@@ -210,14 +293,12 @@ class ClientTrainer:
         batch = self.batch(server_round)
         for p in self.model.parameters():
             p.grad = None
-        loss = defence.backward(batch, self.loss_fn)
+        defence.backward(batch, self.loss_fn)  # the loss stays here: it is an oracle for the batch
         defence.defend_()
-        content = RecordDict()
         if isinstance(defence, Aegis):
-            content[ARRAYS_KEY], content[PROOF_KEY] = pack_masked(defence.shield)
+            content = reply_content(*pack_masked(defence.shield))
         else:
-            content[ARRAYS_KEY] = pack_gradients(defence.export())
-        content[METRICS_KEY] = MetricRecord({"num-examples": batch_size(batch), "train-loss": float(loss)})
+            content = reply_content(pack_gradients(defence.export()))
         self.batches_used[server_round] = batch
         return Message(content, reply_to=msg)
 
@@ -237,13 +318,6 @@ def load_arrays(model: nn.Module, record: ArrayRecord) -> None:
 def trainable_arrays(model: nn.Module) -> ArrayRecord:
     """The model's trainable parameters as fp32 arrays: the global state FedSGD starts from."""
     return pack_gradients({n: p for n, p in model.named_parameters() if p.requires_grad})
-
-
-def batch_size(batch: Batch) -> int:
-    for value in batch.values():
-        if isinstance(value, Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise ValueError("cannot tell the batch size: the batch has no tensor")
 
 
 def _single_array_record(content: RecordDict) -> ArrayRecord:

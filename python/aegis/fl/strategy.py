@@ -6,6 +6,14 @@ gradients drives a server-side torch optimizer (SGD or AdamW, state kept across 
 trainable arrays. Do not wrap it in Flower's DP strategy wrappers: they clip ``reply - global``, which is
 meaningless when replies are gradients.
 
+AEGIS clients (:class:`aegis.fl.ClientTrainer` under :class:`aegis.fl.AegisMod`) reply with the masked
+gradient, its proof and ``num-examples`` = 1, a public constant: the weighted mean is then the plain
+(unweighted) mean of the clients' gradients, each already a per-example mean over the client's batch.
+Clients send no loss and no other metric computed from their private batch (the clean loss is an exact
+oracle for the batch given the global model), so the round's metrics are client counts only; the loss
+curve comes from the server's own held-out data (``evaluate_fn``, e.g. ``aegis.fl.app.validation_loss``).
+Other metric keys in a reply are ignored, never aggregated or logged.
+
 A round survives bad clients: error replies (a client that raised), replies that do not match the global
 arrays (keys, shapes, non-finite values, no positive weight) and clients that never answered are left
 out of the average and counted in the round's metrics (``clients-ok``, ``clients-failed``,
@@ -137,8 +145,6 @@ class FedSGD(FedAvg):
         weights = np.array([float(_metrics(c)[self.weighted_by_key]) for c in usable])
         weights /= weights.sum()
         mean = self._weighted_mean(usable, weights)
-        for key, value in self._mean_metrics(usable, weights).items():
-            metrics[key] = value
         self.optimizer.zero_grad(set_to_none=True)
         for key, param in self.params.items():
             param.grad = mean[key]
@@ -173,16 +179,6 @@ class FedSGD(FedAvg):
             for key, array in record.items():
                 mean[key].add_(torch.from_numpy(array.numpy()).double(), alpha=float(w))
         return {k: v.to(self.params[k].dtype) for k, v in mean.items()}
-
-    def _mean_metrics(self, contents: list[RecordDict], weights: np.ndarray) -> dict[str, float]:
-        """Weighted mean of the numeric metrics every usable client reported (e.g. train-loss)."""
-        records = [_metrics(c) for c in contents]
-        shared = set(records[0]).intersection(*records[1:]) - {self.weighted_by_key}
-        return {
-            key: float(sum(w * r[key] for r, w in zip(records, weights)))
-            for key in sorted(shared)
-            if all(isinstance(r[key], (int, float)) and not isinstance(r[key], bool) for r in records)
-        }
 
 
 def _metrics(content: RecordDict) -> MetricRecord:

@@ -1,0 +1,80 @@
+"""Public calibration: each tensor's noise level from a batch the server could compute itself.
+
+The paper sets sigma = lam * m_bar(G) on the private gradient G, so the exported noise level
+(readable to 0.1 % from any large tensor's mean square) fingerprints the batch. Here the statistic
+[m_bar, M] of every flooded tensor comes from the gradient of a *public* loss instead (text the
+user declares public, or synthetic tokens), and the private gradient is clipped to clip * M
+(per row for the rows flood, Frobenius for the matrix flood): what leaves the client depends on
+the private batch only through rho * clip(G). docs/design.md §1.3 argues the choice.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+import aegis_kernels.reference as ref
+
+PublicLoss = Callable[[], Tensor]
+CALIBRATION_SHAPE = (8, 64)  # (batch, tokens) of the default synthetic batch
+_PUBLIC_SEED = 20240917  # public: the synthetic batch is no secret
+
+
+def synthetic_loss(model: nn.Module, shape: tuple[int, int] = CALIBRATION_SHAPE) -> PublicLoss:
+    """Loss of a Hugging Face model on uniformly random token ids (a fixed public generator):
+    language-model heads predict the ids themselves, classifiers a random label."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embeddings, nn.Embedding):
+        raise ValueError(
+            "no calibration_loss given and the model has no get_input_embeddings(): pass "
+            "aegis.protect(model, ..., calibration_loss=fn) where fn() returns a loss on public data"
+        )
+    generator = torch.Generator().manual_seed(_PUBLIC_SEED)
+    batch, length = shape
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or length
+    length = min(length, int(limit))
+    ids = torch.randint(embeddings.num_embeddings, (batch, length), generator=generator)
+    classifier = type(model).__name__.endswith("ForSequenceClassification")
+    num_labels = int(getattr(getattr(model, "config", None), "num_labels", 2))
+    labels = torch.randint(num_labels, (batch,), generator=generator) if classifier else ids
+
+    def loss() -> Tensor:
+        device = embeddings.weight.device
+        return model(input_ids=ids.to(device), labels=labels.to(device)).loss
+
+    return loss
+
+
+def text_loss(model: nn.Module, tokenizer, texts: Sequence[str], shape: tuple[int, int] = CALIBRATION_SHAPE) -> PublicLoss:
+    """Language-model loss on text the user declares public, tokenized to the fixed calibration shape."""
+    batch, length = shape
+    if not texts:
+        raise ValueError("text_loss: texts is empty; pass public sentences (or use the default synthetic batch)")
+    chosen = [texts[i % len(texts)] for i in range(batch)]
+    enc = tokenizer(chosen, padding="max_length", truncation=True, max_length=length, return_tensors="pt")
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+
+    def loss() -> Tensor:
+        device = next(model.parameters()).device
+        return model(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
+                     labels=labels.to(device)).loss
+
+    return loss
+
+
+def public_statistics(params: Sequence[nn.Parameter], modes: Sequence[str], loss_fn: PublicLoss, tau: float,
+                      transposed: Sequence[bool] | None = None) -> Tensor:
+    """[m_bar, M] per parameter from the public loss's gradient (never touching ``.grad``): (n, 2);
+    ``transposed[k]``: parameter k's rows are its columns (token ids index its second axis)."""
+    with torch.enable_grad():
+        loss = loss_fn()
+        if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.requires_grad:
+            raise ValueError("calibration_loss must return a scalar loss tensor that depends on the model's parameters")
+        grads = torch.autograd.grad(loss, list(params), allow_unused=True)
+    transposed = transposed or [False] * len(params)
+    stats = []
+    for p, g, mode, t in zip(params, grads, modes, transposed):
+        g = g if g is not None else torch.zeros_like(p)
+        stats.append(ref.statistic(g.t() if t else g, mode, tau))
+    return torch.stack(stats)
