@@ -23,14 +23,15 @@ The noise Z (docs/design.md §1.2):
     words      a tensor flooded at (word) ``offset`` reads words offset, offset + 1, ... :
                16-bit outputs use one word per element, fp32 / fp64 outputs two.
     normals    a pair of words (radius word a, angle word b) gives one Box-Muller pair:
-                 v = ((a mod 2^31) + 1/2) 2^-32 in (0, 1/2);  a >= 2^31: t = -ln v, else t = -ln(1 - v)
+                 v = (a mod 2^31) 2^-32 + 2^-33 in (0, 1/2);  a >= 2^31: t = -ln v, else t = -ln(1 - v)
                  r = sqrt(2 t)                          (both tails at full relative precision)
-                 octant o = b >> 29, k = b mod 2^29 (mirrored in odd octants), psi = (k + 1/2) pi/4 2^-29
-                 (cos th, sin th) = the octant's rotation of (cos psi, +-sin psi), psi in (0, pi/4)
-                 (z0, z1) = r (cos th, sin th)
-               16-bit outputs: element pair j = pair j of the words.  fp32 outputs: element pair j =
-               (pair 2j + pair 2j + 1) / sqrt 2, the sum of two normals, so an output pair is no longer
-               an invertible function of two words (the floating-point attack on Box-Muller).
+                 theta = (b as int32 + 1/2) 2 pi 2^-32
+                 (z0, z1) = r (cos theta, sin theta)
+               bf16 outputs: element pair j = pair j of the block's words.  fp16 / fp32 outputs:
+               element pair j = (pair 2j + pair 2j + 1) / sqrt 2, the sum of two normals, so an output
+               pair is no longer an invertible function of two words: the floating-point attack on
+               Box-Muller (the set of values a pair can take near the axes is visible at fp32
+               precision) meets a convolution of two such sets.
 """
 from __future__ import annotations
 
@@ -48,9 +49,8 @@ ROUNDS = 8
 SIGMA_CONSTANTS = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte k"
 NOISE_DOMAIN = 0
 DERIVE_DOMAIN = 1
-ANGLE_BITS = 29
-ANGLE_STEP = math.pi / 4 * 2.0**-ANGLE_BITS
-RADIUS_SERIES = 1.0 / 16  # below: -ln(1 - v) by its series (a log near 1 loses precision)
+ANGLE_STEP = 2 * math.pi * 2.0**-32
+RADIUS_SERIES = 2.0**-10  # below: -ln(1 - v) = v + v^2/2 (+ v^3/3 < 2^-21 relative): a log near 1 rounds
 INV_SQRT2 = 0.7071067811865476
 MODES = ("rows", "matrix")
 PARAMS = 4  # rho, sigma, clip, thr
@@ -135,42 +135,26 @@ def check_key(key: Tensor) -> None:
 
 # ----------------------------------------------------------------------------- normals
 def words_per_element(dtype: torch.dtype) -> int:
-    """Keystream words per noise element: 2 where the output keeps fp32 precision (sum of two
-    normals), 1 for 16-bit outputs (whose rounding is far coarser than a pair's structure)."""
-    return 1 if dtype in (torch.float16, torch.bfloat16) else 2
-
-
-def _neg_log1m(v: Tensor) -> Tensor:
-    """-ln(1 - v) for v in (0, 1/2), at full relative precision for small v."""
-    series = v * (1 + v * (1 / 2 + v * (1 / 3 + v * (1 / 4 + v * (1 / 5 + v * (1 / 6 + v * (1 / 7)))))))
-    return torch.where(v < RADIUS_SERIES, series, -torch.log(1 - v))
-
-
-def _sin_cos(psi: Tensor) -> tuple[Tensor, Tensor]:
-    """Taylor polynomials on (0, pi/4): below an ulp of error, and the same arithmetic as the kernels."""
-    p2 = psi * psi
-    s = psi * (1 + p2 * (-1 / 6 + p2 * (1 / 120 + p2 * (-1 / 5040 + p2 * (1 / 362880)))))
-    c = 1 + p2 * (-1 / 2 + p2 * (1 / 24 + p2 * (-1 / 720 + p2 * (1 / 40320 + p2 * (-1 / 3628800)))))
-    return s, c
+    """Keystream words per noise element: 1 for bf16 outputs (8 significant bits, far coarser than
+    any fp32 structure of a Box-Muller pair), 2 (a sum of two normals) for fp16 / fp32 / fp64."""
+    return 1 if dtype == torch.bfloat16 else 2
 
 
 def normal_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """One Box-Muller pair (fp32) from a radius word ``a`` and an angle word ``b`` (int64 uint32)."""
+    """One Box-Muller pair (fp32) from a radius word ``a`` and an angle word ``b`` (int64 uint32).
+
+    Radius: bit 31 of ``a`` picks the tail, its 31 low bits v in (0, 1/2); the pair's r^2 / 2 is
+    -ln v (tail) or -ln(1 - v), the latter by its series where 1 - v would round. Neither side
+    reaches r = 0 (no point mass) and the largest r is sqrt(66 ln 2) = 6.76.
+    Angle: the word as a signed 32-bit integer, theta = (b + 1/2) 2 pi 2^-32 in (-pi, pi)."""
     v = (a & 0x7FFFFFFF).to(torch.float32) * 2.0**-32 + 2.0**-33
-    t = torch.where(a >= 2**31, -torch.log(v), _neg_log1m(v))
+    tail = a >= 2**31
+    t = -torch.log(torch.where(tail, v, 1 - v))
+    t = torch.where(~tail & (v < RADIUS_SERIES), v * (1 + v * 0.5), t)
     r = torch.sqrt(2 * t)
-    octant = b >> ANGLE_BITS
-    k = b & ((1 << ANGLE_BITS) - 1)
-    odd = (octant & 1) == 1
-    k = torch.where(odd, (1 << ANGLE_BITS) - 1 - k, k)
-    s, c = _sin_cos((k.to(torch.float32) + 0.5) * ANGLE_STEP)
-    s = torch.where(odd, -s, s)
-    quadrant = ((octant + 1) >> 1) & 3  # theta = quadrant * pi/2 +- psi
-    swap = (quadrant & 1) == 1
-    x, y = torch.where(swap, s, c), torch.where(swap, c, s)
-    x = torch.where((quadrant == 1) | (quadrant == 2), -x, x)
-    y = torch.where(quadrant >= 2, -y, y)
-    return r * x, r * y
+    signed = torch.where(b >= 2**31, b - 2**32, b).to(torch.float32)
+    theta = signed * ANGLE_STEP + ANGLE_STEP / 2
+    return r * torch.cos(theta), r * torch.sin(theta)
 
 
 def _element_normals(words: Tensor, per_element: int) -> Tensor:
@@ -202,8 +186,9 @@ def noise(shape: Sequence[int], key: Tensor, offset: int = 0, dtype: torch.dtype
     count = (n + per_block - 1) // per_block
     z = torch.empty(count, per_block, dtype=torch.float32, device=device)
     key = key.to(device)
-    for start in range(0, count, _CHUNK_BLOCKS):  # cache-sized chunks: ~40 passes over each
-        blocks = torch.arange(start, min(start + _CHUNK_BLOCKS, count), dtype=torch.int64, device=device)
+    chunk = _CHUNK_BLOCKS if device.type == "cpu" else max(count, 1)  # CPU: cache-sized chunks
+    for start in range(0, count, chunk):
+        blocks = torch.arange(start, min(start + chunk, count), dtype=torch.int64, device=device)
         z[start : start + len(blocks)] = _element_normals(keystream(key, blocks + offset // BLOCK_WORDS), per)
     return z.reshape(-1)[:n].reshape(tuple(shape))
 

@@ -50,8 +50,6 @@ C2 = tl.constexpr(ref.SIGMA_CONSTANTS[2])
 C3 = tl.constexpr(ref.SIGMA_CONSTANTS[3])
 ROUNDS = tl.constexpr(ref.ROUNDS)
 BLOCK_WORDS = tl.constexpr(ref.BLOCK_WORDS)
-ANGLE_BITS = tl.constexpr(ref.ANGLE_BITS)
-ANGLE_MASK = tl.constexpr((1 << ref.ANGLE_BITS) - 1)
 ANGLE_STEP = tl.constexpr(ref.ANGLE_STEP)
 RADIUS_SERIES = tl.constexpr(ref.RADIUS_SERIES)
 INV_SQRT2 = tl.constexpr(ref.INV_SQRT2)
@@ -59,9 +57,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 DERIVE_DOMAIN = tl.constexpr(ref.DERIVE_DOMAIN)
 
-# On the GPU, the log is the hardware lg2 (MUFU): relative error ~2^-22 where it is used (its
-# argument lies in (0, 15/16]; the series covers 1 - v near 1). Everything else is exact
-# integer work or polynomial arithmetic the reference repeats.
+# On the GPU, log / sin / cos are the hardware approximations (MUFU lg2, sin, cos: absolute error
+# ~2^-21): the same words and formulas as the reference, each normal within ~1e-6 of it. Any
+# fp32-level structure they add to a pair is far below bf16's rounding, and the sum of two pairs
+# (fp16 / fp32 outputs) convolves it away (docs/design.md §1.2).
 FAST_MATH = not INTERPRETED
 
 
@@ -134,29 +133,17 @@ def _log(x, FAST: tl.constexpr):
 
 @triton.jit
 def _normal_pair(a, b, FAST: tl.constexpr):
-    """reference.normal_pair: radius word a, angle word b -> (r cos th, r sin th)."""
+    """reference.normal_pair: radius word a, angle word b -> (r cos theta, r sin theta)."""
     v = (a & 0x7FFFFFFF).to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10
     tail = (a >> 31) != 0
-    lg = _log(tl.where(tail, v, 1.0 - v), FAST)
-    series = v * (1.0 + v * (0.5 + v * (1.0 / 3 + v * (0.25 + v * (0.2 + v * (1.0 / 6 + v * (1.0 / 7)))))))
-    t = tl.where(tail | (v >= RADIUS_SERIES), -lg, series)
-    r = tl.sqrt(2.0 * t)
-    octant = b >> ANGLE_BITS
-    k = b & ANGLE_MASK
-    odd = (octant & 1) != 0
-    k = tl.where(odd, ANGLE_MASK - k, k)
-    psi = (k.to(tl.float32) + 0.5) * ANGLE_STEP
-    p2 = psi * psi
-    s = psi * (1.0 + p2 * (-1.0 / 6 + p2 * (1.0 / 120 + p2 * (-1.0 / 5040 + p2 * (1.0 / 362880)))))
-    c = 1.0 + p2 * (-0.5 + p2 * (1.0 / 24 + p2 * (-1.0 / 720 + p2 * (1.0 / 40320 + p2 * (-1.0 / 3628800)))))
-    s = tl.where(odd, -s, s)
-    quadrant = ((octant + 1) >> 1) & 3
-    swap = (quadrant & 1) != 0
-    x = tl.where(swap, s, c)
-    y = tl.where(swap, c, s)
-    x = tl.where((quadrant == 1) | (quadrant == 2), -x, x)
-    y = tl.where(quadrant >= 2, -y, y)
-    return r * x, r * y
+    t = -_log(tl.where(tail, v, 1.0 - v), FAST)
+    t = tl.where(tail | (v >= RADIUS_SERIES), t, v * (1.0 + v * 0.5))
+    r = tl.sqrt(2.0 * tl.abs(t))  # |t|: an approximate log of a value just below 1 may round above 0
+    theta = b.to(tl.int32, bitcast=True).to(tl.float32) * ANGLE_STEP + ANGLE_STEP / 2
+    if FAST:
+        return r * _libdevice.fast_cosf(theta), r * _libdevice.fast_sinf(theta)
+    else:
+        return r * tl.cos(theta), r * tl.sin(theta)
 
 
 @triton.jit
@@ -254,7 +241,7 @@ def _noise_kernel(out_ptr, n, key_ptr, bbase, Q: tl.constexpr, PER: tl.constexpr
     tl.store(out_ptr + start + offs, z, mask=offs < n - start)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["domain"])
 def _keystream_kernel(blocks_ptr, out_ptr, n, key_ptr, domain, BLOCK: tl.constexpr):
     """Raw ChaCha words of n int64 block counters: out[i, w] (int64 holding uint32), for exactness tests."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

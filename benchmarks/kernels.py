@@ -1,7 +1,11 @@
-"""Flood kernel benchmark (issue 3): fused Triton kernels vs the PyTorch reference, eager and
+"""Flood kernel benchmark: fused Triton kernels vs the PyTorch reference, eager and
 ``torch.compile``d, against the copy-bandwidth floor measured in the same run.
 
-    python benchmarks/kernels.py [--out DIR] [--skip-compile] [--only NAME ...]
+    python benchmarks/kernels.py [--out DIR] [--skip-compile] [--only NAME ...] [--baseline DIR]
+
+--baseline DIR: a directory holding an earlier ``aegis_kernels`` package (e.g. the Philox stream,
+``git archive 4d4065b aegis_kernels | tar -x -C DIR``); its fused floods are timed in the same
+run, on the same tensors, as ``baseline_*`` columns.
 
 floor = (bytes of the gradient read once + written once) / measured device-to-device copy
 bandwidth (copy bandwidth counts bytes read + bytes written). Times are medians of
@@ -11,8 +15,8 @@ with CUDA events instead. Writes ``kernels-<card>.json`` to --out (default bench
 Rows cases use an embedding gradient with the rows of one batch of 4096 random tokens active
 (`sparse`: what a step produces; the fused kernel re-reads only those rows) and, as the worst
 case, every row active (`dense`: one extra read of G). Grouped cases flood MLP weights in place
-with the preset's rho = 0 (G read once for mean|G|, never re-read) and lam = sqrt(pi/2), which
-keeps mean|G| fixed across repeated in-place calls (timing does not depend on lam).
+with the preset's rho = 0 (G read once for the norm and the non-finite check, never re-read).
+Parameters are public constants (rho, sigma, clip, thr) in a device table, the key 8 device words.
 """
 from __future__ import annotations
 
@@ -39,6 +43,36 @@ from aegis_kernels import triton_flood as TF  # noqa: E402
 
 TAU, SEED = 0.01, 0x5EED_1234_5678
 LAM_STATIONARY = math.sqrt(math.pi / 2)
+BASELINE = None  # the earlier package's triton_flood module (--baseline)
+
+
+def _key():
+    return aegis_kernels.key_from_int(SEED).cuda()
+
+
+def _rows_params(g: torch.Tensor) -> torch.Tensor:
+    """rho 0.3, sigma and clip of the gradient's own scale, thr = tau M: the rows outside the batch
+    are not re-read, as in a real step."""
+    m_bar, peak = ref.statistic(g, "rows", TAU).unbind()
+    return torch.stack((torch.tensor(0.3, device="cuda"), m_bar, 2 * peak, TAU * peak)).float()
+
+
+def _baseline_module(path: str):
+    """``baseline_kernels.triton_flood`` from DIR/baseline_kernels (an earlier aegis_kernels package
+    whose __init__ is emptied, so it registers no ops)."""
+    import importlib
+
+    sys.path.insert(0, path)
+    return importlib.import_module("baseline_kernels.triton_flood")
+
+
+def baseline_rows(g):
+    return lambda: BASELINE.flood(g, "rows", 0.3, 1.0, TAU, SEED, 0)
+
+
+def baseline_grouped(grads):
+    k = len(grads)
+    return lambda: BASELINE.flood_(grads, ",".join(["matrix"] * k), [0.0] * k, [LAM_STATIONARY] * k, TAU, SEED)
 
 
 def card_name() -> str:
@@ -114,6 +148,7 @@ def profile_kernels(fn, iters: int = 5) -> dict[str, float]:
 
 
 COMPILE_ONLY = False
+SKIP_EAGER = False
 DYNAMIC = None  # torch.compile's default: static first, dynamic after a shape changes
 
 
@@ -125,9 +160,11 @@ def bench_rows(name, V, D, dtype, active, compile_ref: bool, extra: bool) -> dic
            "active_rows": frac, "rho": 0.3, "lam": 1.0, "floor_bytes": floor_bytes,
            "est_bytes_fused": floor_bytes + frac * g.numel() * elem + 4 * 4 * V}
     if COMPILE_ONLY:
-        res["compile_ms"] = bench_compiled(lambda f: f(g, "rows", 0.3, 1.0, TAU, _seed_t(), 0), res)
+        key, params = _key(), _rows_params(g)
+        res["compile_ms"] = bench_compiled(lambda f: f(g, "rows", params, key, 0), res)
         return res
-    fused = lambda: torch.ops.aegis.flood(g, "rows", 0.3, 1.0, TAU, SEED, 0)  # noqa: E731
+    key, params = _key(), _rows_params(g)
+    fused = lambda: torch.ops.aegis.flood(g, "rows", params, key, 0)  # noqa: E731
     res["fused_ms"] = timed(fused)
     print(f"  {name}: fused {res['fused_ms']:.4f} ms", flush=True)
     if extra:
@@ -135,7 +172,13 @@ def bench_rows(name, V, D, dtype, active, compile_ref: bool, extra: bool) -> dic
             res["fused_graph_ms"] = do_bench_cudagraph(fused, rep=100, return_mode="median")
         except Exception as exc:  # noqa: BLE001
             res["fused_graph_error"] = repr(exc)[:300]
-        TF.FAST_MATH = False  # the accurate libdevice log/sin/cos, for the record
+        if BASELINE is not None:
+            res["baseline_ms"] = timed(baseline_rows(g))
+            try:
+                res["baseline_graph_ms"] = do_bench_cudagraph(baseline_rows(g), rep=100, return_mode="median")
+            except Exception as exc:  # noqa: BLE001
+                res["baseline_graph_error"] = repr(exc)[:300]
+        TF.FAST_MATH = False  # the accurate libdevice log, for the record
         try:
             res["fused_accurate_ms"] = timed(fused)
         finally:
@@ -144,21 +187,18 @@ def bench_rows(name, V, D, dtype, active, compile_ref: bool, extra: bool) -> dic
             res["kernels_ms"] = profile_kernels(fused)
         except Exception as exc:  # noqa: BLE001
             res["profile_error"] = repr(exc)[:300]
-    res["eager_ms"] = timed(lambda: ref.flood(g, "rows", 0.3, 1.0, TAU, SEED, 0))
-    print(f"  {name}: eager {res['eager_ms']:.4f} ms", flush=True)
+    if not SKIP_EAGER:
+        res["eager_ms"] = timed(lambda: ref.flood(g, "rows", params, key, 0))
+        print(f"  {name}: eager {res['eager_ms']:.4f} ms", flush=True)
     torch.cuda.empty_cache()
     if compile_ref:
-        res["compile_ms"] = bench_compiled(lambda f: f(g, "rows", 0.3, 1.0, TAU, _seed_t(), 0), res)
+        res["compile_ms"] = bench_compiled(lambda f: f(g, "rows", params, key, 0), res)
     del g
     torch.cuda.empty_cache()
     return res
 
 
 _COMPILED = {}
-
-
-def _seed_t():
-    return torch.tensor(SEED, device="cuda")
 
 
 def bench_compiled(call, res) -> float | None:
@@ -181,11 +221,13 @@ def bench_grouped(name, shapes, dtype, compile_ref: bool, extra: bool) -> dict:
     n = sum(g.numel() for g in grads)
     elem = grads[0].element_size()
     k = len(grads)
-    modes, rhos, lams = ",".join(["matrix"] * k), [0.0] * k, [LAM_STATIONARY] * k
+    modes = ",".join(["matrix"] * k)
+    key = _key()
+    params = torch.tensor([[0.0, 1e-3, 1.0, 0.0]] * k, device="cuda")  # rho 0: the paper's MLP flood
     res = {"name": name, "kind": "grouped matrix (in place)", "tensors": k, "elements": n,
-           "dtype": str(dtype).replace("torch.", ""), "rho": 0.0, "lam": LAM_STATIONARY,
+           "dtype": str(dtype).replace("torch.", ""), "rho": 0.0,
            "floor_bytes": 2 * n * elem, "est_bytes_fused": 2 * n * elem}
-    fused = lambda: torch.ops.aegis.flood_(grads, modes, rhos, lams, TAU, SEED)  # noqa: E731
+    fused = lambda: torch.ops.aegis.flood_(grads, modes, params, key)  # noqa: E731
     res["fused_ms"] = timed(fused)
     if extra:
         try:
@@ -196,15 +238,21 @@ def bench_grouped(name, shapes, dtype, compile_ref: bool, extra: bool) -> dict:
             res["kernels_ms"] = profile_kernels(fused, iters=2)
         except Exception as exc:  # noqa: BLE001
             res["profile_error"] = repr(exc)[:300]
-    res["eager_ms"] = timed(lambda: ref.flood_many_(grads, ["matrix"] * k, rhos, lams, TAU, SEED))
+        if BASELINE is not None:
+            res["baseline_ms"] = timed(baseline_grouped(grads))
+            try:
+                res["baseline_graph_ms"] = do_bench_cudagraph(baseline_grouped(grads), rep=100, return_mode="median")
+            except Exception as exc:  # noqa: BLE001
+                res["baseline_graph_error"] = repr(exc)[:300]
+    if not SKIP_EAGER:
+        res["eager_ms"] = timed(lambda: ref.flood_many_(grads, ["matrix"] * k, params, key))
     torch.cuda.empty_cache()
     if compile_ref:
-        offsets = ref.stream_offsets([g.numel() for g in grads])
+        offsets = ref.stream_offsets([(g.numel(), g.dtype) for g in grads])
 
         def call(f):
-            seed = _seed_t()
-            for g, off in zip(grads, offsets):
-                out, _ = f(g.view(-1), "matrix", 0.0, LAM_STATIONARY, TAU, seed, off)
+            for g, p, off in zip(grads, params, offsets):
+                out, _ = f(g.view(-1), "matrix", p, key, off)
                 g.copy_(out.view_as(g))
 
         res["compile_ms"] = bench_compiled(call, res)
@@ -258,8 +306,10 @@ def sweep() -> list[dict]:
         TF._TABLES.clear()
 
     try:
+        key = _key()
         g, _ = rows_grad(50257, 768, torch.float32, "sparse")
-        f = lambda: torch.ops.aegis.flood(g, "rows", 0.3, 1.0, TAU, SEED, 0)  # noqa: E731
+        p = _rows_params(g)
+        f = lambda: torch.ops.aegis.flood(g, "rows", p, key, 0)  # noqa: E731
         c = "rows 50257x768 fp32"
         run(c, f)
         run(c, f, _ROWS_WARPS2=2)
@@ -267,7 +317,8 @@ def sweep() -> list[dict]:
         run(c, f, _ROW_SPLIT=1024)
         del g
         g, _ = rows_grad(32000, 4096, torch.bfloat16, "sparse")
-        f = lambda: torch.ops.aegis.flood(g, "rows", 0.3, 1.0, TAU, SEED, 0)  # noqa: E731
+        p = _rows_params(g)
+        f = lambda: torch.ops.aegis.flood(g, "rows", p, key, 0)  # noqa: E731
         c = "rows 32000x4096 bf16"
         run(c, f)
         run(c, f, _ROWS_BD2=1024, _ROWS_WARPS2=2)
@@ -276,7 +327,8 @@ def sweep() -> list[dict]:
         gen = torch.Generator(device="cuda").manual_seed(1)
         grads = [torch.randn(s, device="cuda", generator=gen).to(torch.bfloat16) for s in llama7b_mlp()[:24]]
         k = len(grads)
-        f = lambda: torch.ops.aegis.flood_(grads, ",".join(["matrix"] * k), [0.0] * k, [LAM_STATIONARY] * k, TAU, SEED)  # noqa: E731
+        pk = torch.tensor([[0.0, 1e-3, 1.0, 0.0]] * k, device="cuda")
+        f = lambda: torch.ops.aegis.flood_(grads, ",".join(["matrix"] * k), pk, key)  # noqa: E731
         c = "grouped llama mlp bf16 x24"
         run(c, f)
         run(c, f, _PIPE_CHUNKS=1)
@@ -297,8 +349,13 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time block/warp variants")
     ap.add_argument("--compile-only", action="store_true", help="only torch.compile of the reference")
     ap.add_argument("--compile-grouped", action="store_true", help="also torch.compile the grouped reference")
+    ap.add_argument("--skip-eager", action="store_true", help="do not time the eager PyTorch reference")
+    ap.add_argument("--baseline", default=None, help="directory holding an earlier baseline_kernels package")
     args = ap.parse_args()
-    global COMPILE_ONLY
+    global COMPILE_ONLY, BASELINE, SKIP_EAGER
+    SKIP_EAGER = args.skip_eager
+    if args.baseline:
+        BASELINE = _baseline_module(args.baseline)
     COMPILE_ONLY = args.compile_only
     assert torch.cuda.is_available(), "the kernel benchmark needs a CUDA device"
     card = card_name()
@@ -319,7 +376,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
             res = {"name": name, "error": repr(exc)[:500]}
         res["floor_ms"] = res["floor_bytes"] / bw * 1e3 if "floor_bytes" in res else None
-        for key in ("fused", "fused_graph", "fused_accurate", "eager", "compile"):
+        for key in ("fused", "fused_graph", "fused_accurate", "baseline", "baseline_graph", "eager", "compile"):
             if res.get(f"{key}_ms") and res.get("floor_ms"):
                 res[f"{key}_x_floor"] = res[f"{key}_ms"] / res["floor_ms"]
         if res.get("compile_ms") and res.get("fused_ms"):
@@ -330,21 +387,24 @@ def main() -> None:
         doc = {  # rewritten after every case, so a run cut short keeps what it measured
             "device": torch.cuda.get_device_name(), "card": card, "copy_bandwidth_Bps": bw,
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "fast_math": TF.FAST_MATH, "method": __doc__, "results": results, "sweep": sweeps,
+            "fast_math": TF.FAST_MATH, "chacha_rounds": ref.ROUNDS, "method": __doc__, "results": results,
+            "sweep": sweeps, "baseline": args.baseline,
         }
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"kernels-{card}.json").write_text(json.dumps(doc, indent=1))
     f = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     print(f"\n{torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s; ms (x floor)")
-    print(f"{'case':30s} {'active':>6s} {'floor':>8s} {'fused':>15s} {'graph':>15s} {'eager':>17s} {'compile':>17s} {'cmp/fused':>9s}")
+    print(f"{'case':30s} {'active':>6s} {'floor':>8s} {'fused':>15s} {'graph':>15s} {'base graph':>15s} {'eager':>17s} "
+          f"{'compile':>17s} {'cmp/fused':>9s}")
     for r in results:
         if "error" in r and "fused_ms" not in r:
             print(f"{r['name']:30s} ERROR {r['error'][:80]}")
             continue
         cell = lambda k: f"{f(r.get(k + '_ms'))} ({f(r.get(k + '_x_floor'), 2)})"  # noqa: E731
         print(f"{r['name']:30s} {f(r.get('active_rows', 1.0), 3):>6s} {f(r['floor_ms']):>8s} {cell('fused'):>15s} "
-              f"{cell('fused_graph'):>15s} {cell('eager'):>17s} {cell('compile'):>17s} {f(r.get('compile_over_fused'), 1):>9s}")
+              f"{cell('fused_graph'):>15s} {cell('baseline_graph'):>15s} {cell('eager'):>17s} {cell('compile'):>17s} "
+              f"{f(r.get('compile_over_fused'), 1):>9s}")
 
 
 if __name__ == "__main__":

@@ -15,14 +15,25 @@ SEED = 2024
 
 
 def _expected_export(shield, clean: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
-    """What export() must be: torch.ops.aegis.flood of each clean gradient under the step's seed."""
-    flooded = [p for p in shield.plans if p.flooded and p.name in clean]
-    offsets = aegis_kernels.stream_offsets([clean[p.name].numel() for p in flooded])
-    seed = int(aegis_kernels.derive_seed(SEED, step))
-    return {
-        p.name: torch.ops.aegis.flood(clean[p.name], p.treatment.kind, p.treatment.rho, p.treatment.lam, 0.01, seed, off)[0]
-        for p, off in zip(flooded, offsets)
-    }
+    """What export() must be: torch.ops.aegis.flood of each clean gradient with the shield's public
+    parameters under the step's key (derive_key of the fixed test key)."""
+    flooded = [(k, p) for k, p in enumerate(shield._flooded) if p.name in clean]
+    offsets = aegis_kernels.stream_offsets([(clean[p.name].numel(), clean[p.name].dtype) for _, p in flooded])
+    key = aegis_kernels.derive_key(aegis_kernels.key_from_int(SEED), step)
+    out = {}
+    for (k, p), off in zip(flooded, offsets):
+        g = clean[p.name].t() if shield._transposed[k] else clean[p.name]
+        flooded_g = torch.ops.aegis.flood(g, shield._modes[k], shield._params[k], key, off)[0]
+        out[p.name] = flooded_g.t() if shield._transposed[k] else flooded_g
+    return out
+
+
+def _config(**kwargs):
+    """A fixed-key test config (its warning is expected here, and only here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="AegisConfig.seed=")
+        warnings.filterwarnings("ignore", message=r"AegisConfig\(seed=")
+        return aegis.AegisConfig(seed=SEED, **kwargs)
 
 
 def _clean_grads(model):
@@ -32,9 +43,10 @@ def _clean_grads(model):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_export_is_the_flood_of_the_clean_gradient(family):
     model = build(family)
+    config = _config()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every parameter of the covered families has a known role
-        shield = aegis.protect(model, config=aegis.AegisConfig(seed=SEED))
+        shield = aegis.protect(model, config=config)
     attention = {p.name for p in shield.plans if p.role == "attention"}
     assert attention, "attention parameters must be detected"
     assert all(not dict(model.named_parameters())[n].requires_grad for n in attention)
@@ -76,7 +88,7 @@ def test_lora_adapters_inside_attention_are_frozen_and_mlp_adapters_flooded():
     model = peft.get_peft_model(
         build("gpt2"), peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, init_lora_weights=False)
     )
-    shield = aegis.protect(model, config=aegis.AegisConfig(seed=SEED))
+    shield = aegis.protect(model, config=_config())
     plans = {p.name: p for p in shield.plans}
     attn = [n for n in plans if "lora" in n and ".attn." in n]
     mlp = [n for n in plans if "lora" in n and ".mlp." in n]
@@ -92,16 +104,16 @@ def test_lora_adapters_inside_attention_are_frozen_and_mlp_adapters_flooded():
     assert all(torch.equal(exported[n], expected[n]) for n in mlp)
 
 
-def test_unknown_parameters_are_flooded_or_rejected_when_strict():
+def test_unknown_parameters_are_rejected_by_default_or_flooded_when_not_strict():
     model = _with_mystery()
     with pytest.warns(UserWarning, match="mystery"):
-        shield = aegis.protect(model, config=aegis.AegisConfig(seed=SEED))
+        shield = aegis.protect(model, config=_config(strict=False))
     assert {p.name: p.role for p in shield.plans}["mystery"] == "other"
     (loss_of(model) + model.mystery.sum()).backward()
     shield.mask_()
     assert not torch.equal(shield.export()["mystery"], torch.ones(5))
     with pytest.raises(ValueError, match="role_overrides"):
-        aegis.protect(_with_mystery(), config=aegis.AegisConfig(strict=True))
+        aegis.protect(_with_mystery(), config=aegis.AegisConfig())  # strict by default: fail closed
 
 
 def _with_mystery():
@@ -112,7 +124,7 @@ def _with_mystery():
 
 def test_role_override_and_allow_clean_are_explicit():
     model = _with_mystery()
-    config = aegis.AegisConfig(seed=SEED, role_overrides={r"^mystery$": "bias"}, allow_clean=(r"ln_f",))
+    config = _config(role_overrides={r"^mystery$": "bias"}, allow_clean=(r"ln_f",))
     shield = aegis.protect(model, config=config)
     plans = {p.name: p for p in shield.plans}
     assert plans["mystery"].role == "bias"
@@ -125,7 +137,7 @@ def test_role_override_and_allow_clean_are_explicit():
 
 def test_nan_gradient_exports_nan_never_partly_clean():
     model = build("gpt2")
-    shield = aegis.protect(model, config=aegis.AegisConfig(seed=SEED))
+    shield = aegis.protect(model, config=_config())
     loss_of(model).backward()
     wte = model.transformer.wte.weight
     wte.grad[5, 3] = float("nan")
@@ -139,7 +151,7 @@ def test_nan_gradient_exports_nan_never_partly_clean():
 
 def test_export_fails_closed_until_masked():
     model = build("gpt2")
-    shield = aegis.protect(model, config=aegis.AegisConfig(seed=SEED))
+    shield = aegis.protect(model, config=_config())
     loss_of(model).backward()
     with pytest.raises(RuntimeError, match="mask_"):
         shield.export()
@@ -153,7 +165,7 @@ def test_export_fails_closed_until_masked():
 def test_optimizer_hook_masks_once_and_drops_frozen_params():
     model = build("gpt2")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    shield = aegis.protect(model, optimizer, aegis.AegisConfig(seed=SEED))
+    shield = aegis.protect(model, optimizer, _config())
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
     assert all(id(p.param) not in in_optimizer for p in shield.plans if p.role == "attention")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -189,7 +201,7 @@ def test_fresh_secret_seed_each_step():
 
 def test_trainer_callback_masks_before_each_step(tmp_path):
     model = build("gpt2")
-    shield = aegis.protect(model, config=aegis.AegisConfig(seed=SEED))
+    shield = aegis.protect(model, config=_config())
     attn = model.transformer.h[0].attn.c_attn.weight.detach().clone()
     ids = torch.randint(3, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": row, "labels": row} for row in ids]
@@ -209,6 +221,8 @@ def test_trainer_callback_masks_before_each_step(tmp_path):
         (lambda: aegis.AegisConfig(overrides={"mlps": aegis.Treatment("matrix")}), ValueError, "roles"),
         (lambda: aegis.Treatment("noise"), ValueError, "'rows'"),
         (lambda: aegis.AegisConfig(seed=-1), ValueError, "seed"),
+        (lambda: aegis.AegisConfig(refresh_every=0), ValueError, "refresh_every"),
+        (lambda: aegis.AegisConfig(calibration="private"), ValueError, "private"),
     ],
 )
 def test_bad_configuration_names_the_fix(make, error, match):

@@ -33,7 +33,7 @@ def synthetic_loss(model: nn.Module, shape: tuple[int, int] = CALIBRATION_SHAPE)
     generator = torch.Generator().manual_seed(_PUBLIC_SEED)
     batch, length = shape
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or length
-    length = min(length, int(limit))
+    length = min(length, int(limit) - 2)  # RoBERTa-style positions start after the padding index
     ids = torch.randint(embeddings.num_embeddings, (batch, length), generator=generator)
     classifier = type(model).__name__.endswith("ForSequenceClassification")
     num_labels = int(getattr(getattr(model, "config", None), "num_labels", 2))

@@ -272,10 +272,12 @@ class Shield:
 
 
 def _checksum(tensors: list[Tensor]) -> Tensor | None:
-    """Per-tensor fp32 L2 norms on the device: export() compares them with mask_()'s, bit for bit."""
+    """Per-tensor fp32 L2 norms on the device, as bits (a NaN flood must match itself): export()
+    compares them with mask_()'s."""
     if not tensors:
         return None
-    return torch.stack([n.to(tensors[0].device) for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)])
+    norms = torch.stack([n.to(tensors[0].device) for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)])
+    return norms.view(torch.int32)
 
 
 def _drop_from_optimizer(optimizer: torch.optim.Optimizer, frozen: list[nn.Parameter]) -> None:
