@@ -399,6 +399,80 @@ def _rows_flood_kernel(
 
 
 @triton.jit(do_not_specialize=["bbase"])
+def _rows_onepass_kernel(
+    g_ptr, out_ptr, acc_ptr, params_ptr, key_ptr, bbase, D,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
+):
+    """One row per program, one pass over memory (D % (16 / PER) == 0, long rows): the row's norm,
+    then out = rho min(1, clip/n) G[v] [n > thr] + sigma Z[v] (the public parameters need no other
+    row); the re-read of a row in S hits the lines this program just loaded. acc (zeroed):
+    [|S|, clipped, max n_v, non-finite] by atomics; _rows_finish_kernel turns them into stats
+    and, on a non-finite input, the whole output into NaN."""
+    L: tl.constexpr = 16 // PER
+    row = tl.program_id(0).to(tl.int64)
+    base = row * D
+    gp = g_ptr + base
+    op = out_ptr + base
+    lanes = _lanes(BLOCK_D // L, L)
+    sq = tl.zeros([BLOCK_D // L, L], tl.float32)
+    bad = tl.zeros([BLOCK_D // L, L], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs = d0 + lanes
+        if EVEN_D:
+            x = tl.load(gp + offs).to(tl.float32)
+        else:
+            x = tl.load(gp + offs, mask=offs < D, other=0.0).to(tl.float32)
+        sq += x * x
+        bad = tl.maximum(bad, tl.where(tl.abs(x) <= FLT_MAX, 0.0, 1.0))
+    n = tl.sqrt_rn(tl.sum(tl.sum(sq, axis=1), axis=0))
+    rho = tl.load(params_ptr)
+    sigma = tl.load(params_ptr + 1)
+    clip = tl.load(params_ptr + 2)
+    thr = tl.load(params_ptr + 3)
+    s = _row_scale(n, rho, clip, thr)
+    read = s != 0.0
+    k0, k1, k2, k3, k4, k5, k6, k7 = _load_key(key_ptr)
+    b_row = bbase + base // L
+    tl.debug_barrier()  # in place (out is g): every thread's reads of the row before any write
+    for d0 in range(0, D, BLOCK_D):
+        offs = d0 + lanes
+        sz = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, b_row + d0 // L, sigma, BLOCK_D // L, PER, FAST)
+        if EVEN_D:
+            if read:
+                out = s * tl.load(gp + offs).to(tl.float32) + sz
+            else:
+                out = sz
+            tl.store(op + offs, _to_out(out, out_ptr))
+        else:
+            m = offs < D
+            g = tl.load(gp + offs, mask=m & ((offs * 0 + read.to(tl.int32)) != 0), other=0.0).to(tl.float32)
+            tl.store(op + offs, _to_out(s * g + sz, out_ptr), mask=m)
+    active = (n > thr).to(tl.float32)
+    tl.atomic_add(acc_ptr, active)
+    tl.atomic_add(acc_ptr + 1, active * (n > clip).to(tl.float32))
+    tl.atomic_max(acc_ptr + 2, n)
+    tl.atomic_max(acc_ptr + 3, tl.max(tl.max(bad, axis=1), axis=0))
+
+
+@triton.jit
+def _rows_finish_kernel(out_ptr, acc_ptr, stats_ptr, params_ptr, N, BLOCK: tl.constexpr):
+    """stats = [sigma, |S|, clipped, M] from the accumulators; NaN everywhere (stats and every
+    output element) when the input had a non-finite element: a step never goes out half clean."""
+    pid = tl.program_id(0)
+    nan = tl.load(acc_ptr + 3) > 0.0
+    if pid == 0:
+        tl.store(stats_ptr, tl.where(nan, float("nan"), tl.load(params_ptr + 1)))
+        tl.store(stats_ptr + 1, tl.where(nan, float("nan"), tl.load(acc_ptr)))
+        tl.store(stats_ptr + 2, tl.where(nan, float("nan"), tl.load(acc_ptr + 1)))
+        tl.store(stats_ptr + 3, tl.where(nan, float("nan"), tl.load(acc_ptr + 2)))
+    if nan:
+        offs = tl.arange(0, BLOCK)
+        fill = tl.full([BLOCK], float("nan"), tl.float32)
+        for start in range(pid.to(tl.int64) * BLOCK, N, tl.num_programs(0) * BLOCK):
+            tl.store(out_ptr + start + offs, _to_out(fill, out_ptr), mask=offs < N - start)
+
+
+@triton.jit(do_not_specialize=["bbase"])
 def _rows_flood_flat_kernel(
     g_ptr, out_ptr, norms_ptr, stats_ptr, params_ptr, key_ptr, bbase, N, D,
     Q: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
@@ -727,16 +801,24 @@ def _rows_configs(K, V: int, D: int):
 
 # ----------------------------------------------------------------------------- launches
 def _rows(K, g: Tensor, out: Tensor, params: Tensor, key: Tensor, bbase: int, stats=None):
-    """Rows flood of a contiguous V x D ``g`` into ``out`` (may be ``g``); returns (stats, norms)."""
+    """Rows flood of a contiguous V x D ``g`` into ``out`` (may be ``g``); returns stats."""
     V, D = g.shape
     dev = g.device
     if stats is None:
         stats = torch.empty(4, dtype=torch.float32, device=dev)
     if V == 0 or D == 0:  # nothing to flood: S empty
         stats.copy_(torch.stack((params[1], *params.new_zeros(3))))
-        return stats, torch.zeros(V, dtype=torch.float32, device=dev)
+        return stats
     per = _per(g.dtype)
     (br1, bd1, w1), (br2, bd2, w2) = _rows_configs(K, V, D)
+    if br2 == 1 and D % (ref.BLOCK_WORDS // per) == 0:  # long rows: one pass over memory
+        acc = torch.zeros(4, dtype=torch.float32, device=dev)
+        K._rows_onepass_kernel[(V,)](
+            g, out, acc, params, key, bbase, D, BLOCK_D=bd2, EVEN_D=D % bd2 == 0, PER=per, FAST=K.FAST_MATH,
+            num_warps=w2,
+        )
+        K._rows_finish_kernel[(min(_cdiv(V * D, 4096), 1024),)](out, acc, stats, params, V * D, BLOCK=4096)
+        return stats
     P1 = _cdiv(V, br1)
     chunk = max(1024, 1 << (_cdiv(V, 256) - 1).bit_length())
     P2 = _cdiv(V, chunk)
@@ -759,7 +841,7 @@ def _rows(K, g: Tensor, out: Tensor, params: Tensor, key: Tensor, bbase: int, st
             g, out, norms, stats, params, key, bbase, n, D,
             Q=K._FLAT_BLOCK * per // ref.BLOCK_WORDS, PER=per, FAST=K.FAST_MATH, num_warps=4,
         )
-    return stats, norms
+    return stats
 
 
 def _pipe(K, a, b, part, stats, key, per, tables=None, vec=False):
@@ -964,8 +1046,8 @@ def _device_key(key: Tensor, device: torch.device) -> Tensor:
     return key.to(device, non_blocking=True).contiguous()
 
 
-def flood(grad: Tensor, mode: str, params: Tensor, key: Tensor, offset: int = 0, *, return_norms: bool = False):
-    """Functional flood -> (out, stats) (+ row norms for mode 'rows' with return_norms)."""
+def flood(grad: Tensor, mode: str, params: Tensor, key: Tensor, offset: int = 0):
+    """Functional flood -> (out, stats)."""
     ref.check_grad(grad, mode)
     ref.check_offset(offset)
     g = grad.contiguous()  # non-contiguous input: one copy, then the contiguous kernels
@@ -975,11 +1057,10 @@ def flood(grad: Tensor, mode: str, params: Tensor, key: Tensor, offset: int = 0,
     K = _kernels(g.device)
     with _on(g.device):
         if mode == "rows":
-            stats, norms = _rows(K, g, out, params, key, offset // ref.BLOCK_WORDS)
+            stats = _rows(K, g, out, params, key, offset // ref.BLOCK_WORDS)
         else:
             stats = _matrix(K, g.view(-1), out.view(-1), params, key, offset // ref.BLOCK_WORDS)
-            norms = None
-    return (out, stats, norms) if return_norms else (out, stats)
+    return out, stats
 
 
 def flood_(grads: list[Tensor], modes, params: Tensor, key: Tensor, *, grouped: bool | None = None) -> None:

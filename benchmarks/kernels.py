@@ -285,6 +285,7 @@ CASES = {
 
 KNOBS = ("_ROWS_TILE1", "_ROWS_WARPS1", "_ROWS_TILE2", "_ROWS_WARPS", "_ROW_SPLIT", "_ROWS_BD2", "_ROWS_WARPS2",
          "_SUM_BLOCK", "_SUM_ITERS", "_SUM_UNROLL", "_FLOOD_BLOCK", "_FLOOD_ITERS", "_PIPE_WARPS", "_PIPE_CHUNKS")
+# (sweep timings use do_bench, eager: compare variants with each other, not with the graph column)
 
 
 def sweep() -> list[dict]:
@@ -296,8 +297,10 @@ def sweep() -> list[dict]:
         for key, value in knobs.items():
             setattr(TF, key, value)
         TF._TABLES.clear()
+        TF._LAYOUTS.clear()
         try:
-            out.append({"case": case, **{k.strip("_").lower(): v for k, v in knobs.items()}, "ms": timed(fn)})
+            out.append({"case": case, **{k.strip("_").lower(): v for k, v in knobs.items()},
+                        "ms": do_bench_cudagraph(fn, rep=50, return_mode="median")})
         except Exception as exc:  # noqa: BLE001
             out.append({"case": case, **knobs, "error": repr(exc)[:200]})
         print(json.dumps(out[-1]), flush=True)
@@ -313,27 +316,31 @@ def sweep() -> list[dict]:
         c = "rows 50257x768 fp32"
         run(c, f)
         run(c, f, _ROWS_WARPS2=2)
-        run(c, f, _ROWS_TILE1=4096, _ROWS_WARPS1=8)
-        run(c, f, _ROW_SPLIT=1024)
+        run(c, f, _ROWS_BD2=512, _ROWS_WARPS2=2)
+        run(c, f, _ROWS_BD2=128, _ROWS_WARPS2=1)
         del g
         g, _ = rows_grad(32000, 4096, torch.bfloat16, "sparse")
         p = _rows_params(g)
         f = lambda: torch.ops.aegis.flood(g, "rows", p, key, 0)  # noqa: E731
         c = "rows 32000x4096 bf16"
         run(c, f)
+        run(c, f, _ROWS_BD2=1024, _ROWS_WARPS2=1)
+        run(c, f, _ROWS_BD2=2048, _ROWS_WARPS2=4)
         run(c, f, _ROWS_BD2=1024, _ROWS_WARPS2=2)
-        run(c, f, _ROWS_TILE1=4096, _ROWS_WARPS1=8)
         del g
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        grads = [torch.randn(s, device="cuda", generator=gen).to(torch.bfloat16) for s in llama7b_mlp()[:24]]
-        k = len(grads)
-        pk = torch.tensor([[0.0, 1e-3, 1.0, 0.0]] * k, device="cuda")
-        f = lambda: torch.ops.aegis.flood_(grads, ",".join(["matrix"] * k), pk, key)  # noqa: E731
-        c = "grouped llama mlp bf16 x24"
-        run(c, f)
-        run(c, f, _PIPE_CHUNKS=1)
-        run(c, f, _PIPE_CHUNKS=8)
-        del grads
+        for dtype, shapes, c in ((torch.float32, gpt2_mlp(), "grouped gpt2 mlp fp32"),
+                                 (torch.bfloat16, llama7b_mlp()[:24], "grouped llama mlp bf16 x24")):
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            grads = [torch.randn(s, device="cuda", generator=gen).to(dtype) for s in shapes]
+            k = len(grads)
+            pk = torch.tensor([[0.0, 1e-3, 1.0, 0.0]] * k, device="cuda")
+            f = lambda: torch.ops.aegis.flood_(grads, ",".join(["matrix"] * k), pk, key)  # noqa: E731
+            run(c, f)
+            run(c, f, _PIPE_WARPS=8)
+            run(c, f, _FLOOD_BLOCK=1024, _FLOOD_ITERS=16)
+            run(c, f, _FLOOD_BLOCK=1024, _FLOOD_ITERS=16, _PIPE_WARPS=2)
+            run(c, f, _PIPE_CHUNKS=8)
+            del grads
     finally:
         for key, value in saved.items():
             setattr(TF, key, value)
