@@ -400,14 +400,15 @@ def _rows_flood_kernel(
 
 @triton.jit(do_not_specialize=["bbase"])
 def _rows_onepass_kernel(
-    g_ptr, out_ptr, acc_ptr, params_ptr, key_ptr, bbase, D,
+    g_ptr, out_ptr, part_ptr, params_ptr, key_ptr, bbase, D,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
 ):
     """One row per program, one pass over memory (D % (16 / PER) == 0, long rows): the row's norm,
     then out = rho min(1, clip/n) G[v] [n > thr] + sigma Z[v] (the public parameters need no other
-    row); the re-read of a row in S hits the lines this program just loaded. acc (zeroed):
-    [|S|, clipped, max n_v, non-finite] by atomics; _rows_finish_kernel turns them into stats
-    and, on a non-finite input, the whole output into NaN."""
+    row); the re-read of a row in S hits the lines this program just loaded. part[v] = [active,
+    clipped, n_v, non-finite] (no atomics: tens of thousands on four addresses serialise);
+    _rows_reduce_kernel turns them into stats and _rows_poison_kernel, on a non-finite input, the
+    whole output into NaN."""
     L: tl.constexpr = 16 // PER
     row = tl.program_id(0).to(tl.int64)
     base = row * D
@@ -448,24 +449,42 @@ def _rows_onepass_kernel(
             g = tl.load(gp + offs, mask=m & ((offs * 0 + read.to(tl.int32)) != 0), other=0.0).to(tl.float32)
             tl.store(op + offs, _to_out(s * g + sz, out_ptr), mask=m)
     active = (n > thr).to(tl.float32)
-    tl.atomic_add(acc_ptr, active)
-    tl.atomic_add(acc_ptr + 1, active * (n > clip).to(tl.float32))
-    tl.atomic_max(acc_ptr + 2, n)
-    tl.atomic_max(acc_ptr + 3, tl.max(tl.max(bad, axis=1), axis=0))
+    tl.store(part_ptr + 4 * row, active)
+    tl.store(part_ptr + 4 * row + 1, active * (n > clip).to(tl.float32))
+    tl.store(part_ptr + 4 * row + 2, n)
+    tl.store(part_ptr + 4 * row + 3, tl.max(tl.max(bad, axis=1), axis=0))
 
 
 @triton.jit
-def _rows_finish_kernel(out_ptr, acc_ptr, stats_ptr, params_ptr, N, BLOCK: tl.constexpr):
-    """stats = [sigma, |S|, clipped, M] from the accumulators; NaN everywhere (stats and every
-    output element) when the input had a non-finite element: a step never goes out half clean."""
+def _rows_reduce_kernel(part_ptr, stats_ptr, params_ptr, V, BLOCK: tl.constexpr):
+    """stats = [sigma, |S|, clipped, M] from the per-row parts (fixed order); all NaN and stats[4]
+    = 1 when the input had a non-finite element."""
+    offs = tl.arange(0, BLOCK)
+    active = tl.zeros([BLOCK], tl.float32)
+    clipped = tl.zeros([BLOCK], tl.float32)
+    peak = tl.zeros([BLOCK], tl.float32)
+    bad = tl.zeros([BLOCK], tl.float32)
+    for v0 in range(0, V, BLOCK):
+        m = offs < V - v0
+        p = part_ptr + 4 * (v0 + offs)
+        active += tl.load(p, mask=m, other=0.0)
+        clipped += tl.load(p + 1, mask=m, other=0.0)
+        peak = tl.maximum(peak, tl.load(p + 2, mask=m, other=0.0))
+        bad = tl.maximum(bad, tl.load(p + 3, mask=m, other=0.0))
+    nan = tl.max(bad, axis=0) > 0.0
+    tl.store(stats_ptr, tl.where(nan, float("nan"), tl.load(params_ptr + 1)))
+    tl.store(stats_ptr + 1, tl.where(nan, float("nan"), tl.sum(active, axis=0)))
+    tl.store(stats_ptr + 2, tl.where(nan, float("nan"), tl.sum(clipped, axis=0)))
+    tl.store(stats_ptr + 3, tl.where(nan, float("nan"), tl.max(peak, axis=0)))
+    tl.store(stats_ptr + 4, nan.to(tl.float32))
+
+
+@triton.jit
+def _rows_poison_kernel(out_ptr, stats_ptr, N, BLOCK: tl.constexpr):
+    """NaN over the whole output when _rows_reduce_kernel flagged a non-finite input (stats[4]):
+    a step never goes out half clean. A clean step costs one load per program."""
     pid = tl.program_id(0)
-    nan = tl.load(acc_ptr + 3) > 0.0
-    if pid == 0:
-        tl.store(stats_ptr, tl.where(nan, float("nan"), tl.load(params_ptr + 1)))
-        tl.store(stats_ptr + 1, tl.where(nan, float("nan"), tl.load(acc_ptr)))
-        tl.store(stats_ptr + 2, tl.where(nan, float("nan"), tl.load(acc_ptr + 1)))
-        tl.store(stats_ptr + 3, tl.where(nan, float("nan"), tl.load(acc_ptr + 2)))
-    if nan:
+    if tl.load(stats_ptr + 4) > 0.0:
         offs = tl.arange(0, BLOCK)
         fill = tl.full([BLOCK], float("nan"), tl.float32)
         for start in range(pid.to(tl.int64) * BLOCK, N, tl.num_programs(0) * BLOCK):
@@ -636,8 +655,8 @@ _ROWS_WARPS1 = 4
 _ROWS_TILE2 = 16384 if INTERPRETED else 2048  # rows pass 2, short rows (several per program)
 _ROWS_WARPS = 4
 _ROW_SPLIT = 512  # rows pass 2 takes one row per program from this row length on
-_ROWS_BD2 = 16384 if INTERPRETED else 2048  # its column block (at most)
-_ROWS_WARPS2 = None  # None: block / 1024 (32 elements per thread; 16 from 512 down)
+_ROWS_BD2 = 16384 if INTERPRETED else 1024  # its column block (at most)
+_ROWS_WARPS2 = None  # None: block / 512 (16 elements per thread), at least 2 warps
 _PIPE_WARPS = 4
 _PIPE_CHUNKS = 4  # pipeline stages of a grouped matrix flood (at most; 4 beat 1 and 8 on H100 and H200)
 _PIPE_MIN_BYTES = 0 if INTERPRETED else 128 << 20  # bytes of gradient per stage (at least)
@@ -794,7 +813,7 @@ def _rows_configs(K, V: int, D: int):
     if D % ref.BLOCK_WORDS == 0 and D >= K._ROW_SPLIT:
         bd2 = next((b for b in (2048, 1024, 512, 256, 128) if b <= K._ROWS_BD2 and D % b == 0), None)
         bd2 = bd2 or _block_d(D, K._ROWS_BD2)
-        return (br1, bd1, K._ROWS_WARPS1), (1, bd2, K._ROWS_WARPS2 or max(1, min(8, bd2 // 1024)))
+        return (br1, bd1, K._ROWS_WARPS1), (1, bd2, K._ROWS_WARPS2 or max(2, min(8, bd2 // 512)))
     bd2 = _block_d(D, 1024)
     return (br1, bd1, K._ROWS_WARPS1), (max(1, min(K._ROWS_TILE2 // bd2, _pow2_floor(V))), bd2, K._ROWS_WARPS)
 
@@ -812,12 +831,15 @@ def _rows(K, g: Tensor, out: Tensor, params: Tensor, key: Tensor, bbase: int, st
     per = _per(g.dtype)
     (br1, bd1, w1), (br2, bd2, w2) = _rows_configs(K, V, D)
     if br2 == 1 and D % (ref.BLOCK_WORDS // per) == 0:  # long rows: one pass over memory
-        acc = torch.zeros(4, dtype=torch.float32, device=dev)
+        part = torch.empty(V, 4, dtype=torch.float32, device=dev)
+        flag = torch.empty(5, dtype=torch.float32, device=dev)  # stats + the non-finite flag
         K._rows_onepass_kernel[(V,)](
-            g, out, acc, params, key, bbase, D, BLOCK_D=bd2, EVEN_D=D % bd2 == 0, PER=per, FAST=K.FAST_MATH,
+            g, out, part, params, key, bbase, D, BLOCK_D=bd2, EVEN_D=D % bd2 == 0, PER=per, FAST=K.FAST_MATH,
             num_warps=w2,
         )
-        K._rows_finish_kernel[(min(_cdiv(V * D, 4096), 1024),)](out, acc, stats, params, V * D, BLOCK=4096)
+        K._rows_reduce_kernel[(1,)](part, flag, params, V, BLOCK=2048, num_warps=8)
+        K._rows_poison_kernel[(min(_cdiv(V * D, 4096), 1024),)](out, flag, V * D, BLOCK=4096)
+        stats.copy_(flag[:4])
         return stats
     P1 = _cdiv(V, br1)
     chunk = max(1024, 1 << (_cdiv(V, 256) - 1).bit_length())

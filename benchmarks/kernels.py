@@ -315,18 +315,18 @@ def sweep() -> list[dict]:
         f = lambda: torch.ops.aegis.flood(g, "rows", p, key, 0)  # noqa: E731
         c = "rows 50257x768 fp32"
         run(c, f)
-        run(c, f, _ROWS_WARPS2=2)
-        run(c, f, _ROWS_BD2=512, _ROWS_WARPS2=2)
-        run(c, f, _ROWS_BD2=128, _ROWS_WARPS2=1)
+        run(c, f, _ROWS_WARPS2=4)
+        run(c, f, _ROWS_BD2=256, _ROWS_WARPS2=2)
+        run(c, f, _ROWS_BD2=256, _ROWS_WARPS2=1)
         del g
         g, _ = rows_grad(32000, 4096, torch.bfloat16, "sparse")
         p = _rows_params(g)
         f = lambda: torch.ops.aegis.flood(g, "rows", p, key, 0)  # noqa: E731
         c = "rows 32000x4096 bf16"
         run(c, f)
-        run(c, f, _ROWS_BD2=1024, _ROWS_WARPS2=1)
+        run(c, f, _ROWS_BD2=1024, _ROWS_WARPS2=4)
+        run(c, f, _ROWS_BD2=512, _ROWS_WARPS2=2)
         run(c, f, _ROWS_BD2=2048, _ROWS_WARPS2=4)
-        run(c, f, _ROWS_BD2=1024, _ROWS_WARPS2=2)
         del g
         for dtype, shapes, c in ((torch.float32, gpt2_mlp(), "grouped gpt2 mlp fp32"),
                                  (torch.bfloat16, llama7b_mlp()[:24], "grouped llama mlp bf16 x24")):
