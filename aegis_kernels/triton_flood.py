@@ -655,8 +655,8 @@ _ROWS_WARPS1 = 4
 _ROWS_TILE2 = 16384 if INTERPRETED else 2048  # rows pass 2, short rows (several per program)
 _ROWS_WARPS = 4
 _ROW_SPLIT = 512  # rows pass 2 takes one row per program from this row length on
-_ROWS_BD2 = 16384 if INTERPRETED else 1024  # its column block (at most)
-_ROWS_WARPS2 = None  # None: block / 512 (16 elements per thread), at least 2 warps
+_ROWS_BD2 = 16384 if INTERPRETED else 1024  # its column block (at most; / words per element squared)
+_ROWS_WARPS2 = None  # None: one keystream block per thread (more threads would replicate ChaCha work)
 _PIPE_WARPS = 4
 _PIPE_CHUNKS = 4  # pipeline stages of a grouped matrix flood (at most; 4 beat 1 and 8 on H100 and H200)
 _PIPE_MIN_BYTES = 0 if INTERPRETED else 128 << 20  # bytes of gradient per stage (at least)
@@ -803,17 +803,21 @@ def _block_d(D: int, cap: int) -> int:
     return 16
 
 
-def _rows_configs(K, V: int, D: int):
+def _rows_configs(K, V: int, D: int, per: int):
     """(pass 1 [BLOCK_R, BLOCK_D, warps], pass 2 [BLOCK_R, BLOCK_D, warps]).
 
-    Pass 1: ~16 elements per thread. Pass 2 takes whole rows of >= 512 elements one per program
-    (rows outside S branch past their loads and multiply-adds), 32 elements per thread."""
+    Long rows (>= _ROW_SPLIT, whole keystream blocks): one row per program, one pass, one keystream
+    block per thread; on an H100 a warp per 256 fp32 / two per 1024 bf16 elements measured best
+    (more threads per row replicate the cipher; more elements per thread cost occupancy).
+    Short rows: pass 1 ~16 elements per thread; pass 2 several rows per program."""
     bd1 = _block_d(D, 1024)
     br1 = max(1, min(K._ROWS_TILE1 // bd1, _pow2_floor(V)))
+    lanes = ref.BLOCK_WORDS // per
     if D % ref.BLOCK_WORDS == 0 and D >= K._ROW_SPLIT:
-        bd2 = next((b for b in (2048, 1024, 512, 256, 128) if b <= K._ROWS_BD2 and D % b == 0), None)
-        bd2 = bd2 or _block_d(D, K._ROWS_BD2)
-        return (br1, bd1, K._ROWS_WARPS1), (1, bd2, K._ROWS_WARPS2 or max(2, min(8, bd2 // 512)))
+        cap = K._ROWS_BD2 // (per * per)
+        bd2 = next((b for b in (2048, 1024, 512, 256, 128) if b <= cap and D % b == 0), None)
+        bd2 = bd2 or _block_d(D, cap)
+        return (br1, bd1, K._ROWS_WARPS1), (1, bd2, K._ROWS_WARPS2 or max(1, bd2 // (32 * lanes)))
     bd2 = _block_d(D, 1024)
     return (br1, bd1, K._ROWS_WARPS1), (max(1, min(K._ROWS_TILE2 // bd2, _pow2_floor(V))), bd2, K._ROWS_WARPS)
 
@@ -829,7 +833,7 @@ def _rows(K, g: Tensor, out: Tensor, params: Tensor, key: Tensor, bbase: int, st
         stats.copy_(torch.stack((params[1], *params.new_zeros(3))))
         return stats
     per = _per(g.dtype)
-    (br1, bd1, w1), (br2, bd2, w2) = _rows_configs(K, V, D)
+    (br1, bd1, w1), (br2, bd2, w2) = _rows_configs(K, V, D, per)
     if br2 == 1 and D % (ref.BLOCK_WORDS // per) == 0:  # long rows: one pass over memory
         part = torch.empty(V, 4, dtype=torch.float32, device=dev)
         flag = torch.empty(5, dtype=torch.float32, device=dev)  # stats + the non-finite flag
