@@ -24,7 +24,7 @@ The noise Z (docs/design.md §1.2):
                16-bit outputs use one word per element, fp32 / fp64 outputs two.
     normals    a pair of words (radius word a, angle word b) gives one Box-Muller pair:
                  v = (a mod 2^31) 2^-32 + 2^-33 in (0, 1/2);  a >= 2^31: t = -ln v, else t = -ln(1 - v)
-                 r = sqrt(2 t)                          (both tails at full relative precision)
+                 r = sqrt(2 t)                          (large r at full relative precision, r > 0)
                  theta = (b as int32 + 1/2) 2 pi 2^-32
                  (z0, z1) = r (cos theta, sin theta)
                bf16 outputs: element pair j = pair j of the block's words.  fp16 / fp32 outputs:
@@ -144,8 +144,9 @@ def normal_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """One Box-Muller pair (fp32) from a radius word ``a`` and an angle word ``b`` (int64 uint32).
 
     Radius: bit 31 of ``a`` picks the tail, its 31 low bits v in (0, 1/2); the pair's r^2 / 2 is
-    -ln v (tail) or -ln(1 - v), the latter by its series where 1 - v would round. Neither side
-    reaches r = 0 (no point mass) and the largest r is sqrt(66 ln 2) = 6.76.
+    -ln v (tail: full relative precision) or -ln(1 - v) (by its series below 2^-10, so no value
+    rounds to r = 0; above, with the absolute precision 2^-24 of 1 - v). No point mass; the largest
+    r is sqrt(66 ln 2) = 6.76.
     Angle: the word as a signed 32-bit integer, theta = (b + 1/2) 2 pi 2^-32 in (-pi, pi)."""
     v = (a & 0x7FFFFFFF).to(torch.float32) * 2.0**-32 + 2.0**-33
     tail = a >= 2**31
@@ -157,13 +158,32 @@ def normal_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return r * torch.cos(theta), r * torch.sin(theta)
 
 
-def _element_normals(words: Tensor, per_element: int) -> Tensor:
-    """(n, 16) block words -> (n, 16 / per_element) normals, element order within each block."""
+def _element_normals(words: Tensor, per_element: int) -> tuple[Tensor, Tensor | None]:
+    """(n, 16) block words -> the normals of each block's 16 / per_element elements, element order:
+    (z, None) with one word per element, (z_a, z_b) (the two summands) with two."""
     pairs = [normal_pair(words[:, 2 * j], words[:, 2 * j + 1]) for j in range(BLOCK_WORDS // 2)]
-    if per_element == 2:
-        pairs = [((pairs[2 * j][0] + pairs[2 * j + 1][0]) * INV_SQRT2, (pairs[2 * j][1] + pairs[2 * j + 1][1]) * INV_SQRT2)
-                 for j in range(len(pairs) // 2)]
-    return torch.stack([z for pair in pairs for z in pair], dim=1)
+    if per_element == 1:
+        return torch.stack([z for pair in pairs for z in pair], dim=1), None
+    za = torch.stack([z for pair in pairs[0::2] for z in pair], dim=1)
+    zb = torch.stack([z for pair in pairs[1::2] for z in pair], dim=1)
+    return za, zb
+
+
+def fma(x: Tensor | float, y: Tensor, z: Tensor) -> Tensor:
+    """fp32 x * y + z with one rounding (through fp64: the product is exact there), as the GPU's FFMA."""
+    return (torch.as_tensor(x, dtype=torch.float64) * y.double() + z.double()).float()
+
+
+def add_noise(signal: Tensor, sigma: Tensor, za: Tensor, zb: Tensor | None) -> Tensor:
+    """signal + sigma Z in fp32, Z = (za + zb) / sqrt 2 (or za), as fused multiply-adds.
+
+    sigma * Z rounded on its own takes only the values of a product by sigma, which a
+    signal-carrying element leaves: with fp32 outputs the server would read which elements carry
+    signal (docs/design.md §1.2). Adding each summand in its own fused multiply-add dithers that."""
+    if zb is None:
+        return fma(sigma, za, signal)
+    w = (sigma * INV_SQRT2).float()
+    return fma(w, za, fma(w, zb, signal))
 
 
 def check_offset(offset: int) -> None:
@@ -183,14 +203,26 @@ def noise(shape: Sequence[int], key: Tensor, offset: int = 0, dtype: torch.dtype
     device = torch.device(device or "cpu")
     per = words_per_element(dtype)
     per_block = BLOCK_WORDS // per
+    za, zb = noise_components(n, key, offset, per, device)
+    z = za if zb is None else fma(INV_SQRT2, za, (torch.tensor(INV_SQRT2, dtype=torch.float32) * zb))
+    return z.reshape(tuple(shape))
+
+
+def noise_components(n: int, key: Tensor, offset: int, per: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """The first n elements' normals: (z, None) with one word per element, (z_a, z_b) with two."""
+    per_block = BLOCK_WORDS // per
     count = (n + per_block - 1) // per_block
-    z = torch.empty(count, per_block, dtype=torch.float32, device=device)
+    za = torch.empty(count, per_block, dtype=torch.float32, device=device)
+    zb = torch.empty_like(za) if per == 2 else None
     key = key.to(device)
     chunk = _CHUNK_BLOCKS if device.type == "cpu" else max(count, 1)  # CPU: cache-sized chunks
     for start in range(0, count, chunk):
         blocks = torch.arange(start, min(start + chunk, count), dtype=torch.int64, device=device)
-        z[start : start + len(blocks)] = _element_normals(keystream(key, blocks + offset // BLOCK_WORDS), per)
-    return z.reshape(-1)[:n].reshape(tuple(shape))
+        a, b = _element_normals(keystream(key, blocks + offset // BLOCK_WORDS), per)
+        za[start : start + len(blocks)] = a
+        if zb is not None:
+            zb[start : start + len(blocks)] = b
+    return za.reshape(-1)[:n], None if zb is None else zb.reshape(-1)[:n]
 
 
 _CHUNK_BLOCKS = 16384
@@ -219,26 +251,26 @@ def _clip_scale(norm: Tensor, clip: Tensor) -> Tensor:
     return torch.where(norm > clip, clip / norm.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(norm))
 
 
-def flood_rows(grad: Tensor, params: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
-    """Rows flood with explicit noise ``z``; stats = [sigma, |S|, |S clipped|, max n_v]."""
+def flood_rows(grad: Tensor, params: Tensor, z: Tensor, zb: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Rows flood with noise ``z`` (or summands z, zb); stats = [sigma, |S|, |S clipped|, max n_v]."""
     rho, sigma, clip, thr = params.float().unbind()
     g = grad.float()
-    norms = torch.linalg.vector_norm(g, dim=1)  # (E1)
+    norms = torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).float()  # (E1), accumulated exactly enough
     active = norms > thr  # (E2)
     scale = torch.where(active, rho * _clip_scale(norms, clip), 0.0)  # (C)
-    out = scale[:, None] * g + sigma * z  # (E4)
+    out = add_noise(scale[:, None] * g, sigma, z, zb)  # (E4)
     peak = norms.amax() if norms.numel() else norms.new_zeros(())
     stats = torch.stack((sigma, active.sum().float(), (active & (norms > clip)).sum().float(), peak))
     return _finish(out, stats, grad)
 
 
-def flood_matrix(grad: Tensor, params: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
-    """Matrix flood with explicit noise ``z``; stats = [sigma, ||G||_F, signal scale rho min(1, clip/||G||)]."""
+def flood_matrix(grad: Tensor, params: Tensor, z: Tensor, zb: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Matrix flood with noise ``z`` (or summands z, zb); stats = [sigma, ||G||_F, rho min(1, clip/||G||)]."""
     rho, sigma, clip, _ = params.float().unbind()
     g = grad.float()
-    norm = torch.linalg.vector_norm(g)
+    norm = torch.linalg.vector_norm(g, dtype=torch.float64).float()
     scale = rho * _clip_scale(norm, clip)  # (C)
-    out = scale * g + sigma * z  # (E5)
+    out = add_noise(scale * g, sigma, z, zb)  # (E5)
     return _finish(out, torch.stack((sigma, norm, scale)), grad)
 
 
@@ -254,14 +286,18 @@ def flood(grad: Tensor, mode: str, params: Tensor | Sequence[float], key: Tensor
     """Flood one gradient: noise from ``(key, offset)`` or an explicit ``z``."""
     check_grad(grad, mode)
     params = as_params(params, grad.device)
+    zb = None
     if z is None:
         if key is None:
             raise ValueError("flood: pass either z (explicit noise) or key (and offset)")
-        z = noise(tuple(grad.shape), key, offset, grad.dtype, device=grad.device)
+        check_offset(offset)
+        check_key(key)
+        za, zb = noise_components(grad.numel(), key, offset, words_per_element(grad.dtype), grad.device)
+        z, zb = za.view(grad.shape), None if zb is None else zb.view(grad.shape)
     elif z.shape != grad.shape:
         raise ValueError(f"z has shape {tuple(z.shape)} but grad has {tuple(grad.shape)}")
     z = z.to(device=grad.device, dtype=torch.float32)
-    return (flood_rows if mode == "rows" else flood_matrix)(grad, params, z)
+    return (flood_rows if mode == "rows" else flood_matrix)(grad, params, z, zb)
 
 
 def check_grad(grad: Tensor, mode: str) -> None:
@@ -304,19 +340,21 @@ def flood_many_(grads: list[Tensor], modes: list[str], params: Tensor, key: Tens
 
 
 # ----------------------------------------------------------------------------- calibration
-def statistic(grad: Tensor, mode: str, tau: float) -> Tensor:
+def statistic(grad: Tensor, mode: str, tau: float, nonzero: bool = False) -> Tensor:
     """The paper's statistics of one gradient: [m_bar, M] with
     rows: m_bar = mean_{v in S} ||G[v]|| (E3), S = {n_v > tau M}, M = max_v n_v;
-    matrix: m_bar = mean |G|, M = ||G||_F."""
+    matrix: m_bar = mean |G| (over the non-zero entries with ``nonzero``: a gradient concentrated
+    on a few rows or columns then calibrates to the scale of those), M = ||G||_F."""
     g = grad.float()
     if mode == "rows":
-        norms = torch.linalg.vector_norm(g, dim=1)
+        norms = torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).float()
         peak = norms.amax() if norms.numel() else norms.new_zeros(())
         active = norms > tau * peak
         m_bar = (norms * active).sum() / active.sum().clamp(min=1)
         return torch.stack((m_bar, peak))
-    m_bar = g.abs().mean() if g.numel() else g.new_zeros(())
-    return torch.stack((m_bar, torch.linalg.vector_norm(g)))
+    a = g.abs()
+    count = (a > 0).sum().clamp(min=1) if nonzero else max(a.numel(), 1)
+    return torch.stack((a.sum() / count, torch.linalg.vector_norm(g, dtype=torch.float64).float()))
 
 
 def public_params(stat: Tensor, mode: str, rho: float, lam: float, tau: float, clip_factor: float) -> Tensor:

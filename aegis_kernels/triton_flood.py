@@ -159,9 +159,10 @@ def _j8(z0, z1, z2, z3, z4, z5, z6, z7):
 
 
 @triton.jit
-def _lanes_of_block(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, scale,
+def _lanes_of_block(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                     PER: tl.constexpr, FAST: tl.constexpr):
-    """scale * the normals of a block's 16 words: [..., 16] (PER 1) or [..., 8] (PER 2, sums of two)."""
+    """The normals of a block's 16 words, element order: PER 1 -> (z, z) [..., 16]; PER 2 -> the two
+    summands (z_a, z_b) [..., 8] of each element (reference._element_normals)."""
     a0, a1 = _normal_pair(x0, x1, FAST)
     b0, b1 = _normal_pair(x2, x3, FAST)
     c0, c1 = _normal_pair(x4, x5, FAST)
@@ -172,26 +173,58 @@ def _lanes_of_block(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, 
     h0, h1 = _normal_pair(x14, x15, FAST)
     if PER == 1:
         t = tl.join(_j8(a0, b0, c0, d0, e0, f0, g0, h0), _j8(a1, b1, c1, d1, e1, f1, g1, h1))
-        return tl.reshape(t, t.shape[:-2] + [16]) * scale  # [..., 8, 2]: element 2i + j at [i, j]
+        z = tl.reshape(t, t.shape[:-2] + [16])  # [..., 8, 2]: element 2i + j at [i, j]
+        return z, z
     else:
-        w = scale * INV_SQRT2
-        return _j8((a0 + b0) * w, (a1 + b1) * w, (c0 + d0) * w, (c1 + d1) * w,
-                   (e0 + f0) * w, (e1 + f1) * w, (g0 + h0) * w, (g1 + h1) * w)
+        return _j8(a0, a1, c0, c1, e0, e1, g0, g1), _j8(b0, b1, d0, d1, f0, f1, h0, h1)
+
+
+# The interpreter has no fused multiply-add; its copy emulates one through fp64 (exact product), as
+# reference.fma does, so CPU tests see the GPU's single rounding.
+SOFT_FMA = tl.constexpr(INTERPRETED)
 
 
 @triton.jit
-def _block_normals(k0, k1, k2, k3, k4, k5, k6, k7, blocks, scale, PER: tl.constexpr, FAST: tl.constexpr):
-    """scale * Z for int64 block counters of any shape: [..., 16 / PER], element order."""
+def _fma(x, y, z):
+    if SOFT_FMA:
+        return (x.to(tl.float64) * y.to(tl.float64) + z.to(tl.float64)).to(tl.float32)
+    else:
+        return tl.fma(x, y, z)
+
+
+@triton.jit
+def _noise_only(sigma, za, zb, PER: tl.constexpr):
+    """_add_noise with a zero signal, bit for bit (fma(x, y, +0) rounds as x * y)."""
+    if PER == 1:
+        return sigma * za
+    else:
+        w = sigma * INV_SQRT2
+        return _fma(w, za, w * zb)
+
+
+@triton.jit
+def _add_noise(signal, sigma, za, zb, PER: tl.constexpr):
+    """signal + sigma Z as fused multiply-adds (reference.add_noise): a product sigma Z rounded on
+    its own takes only the values of a multiple of sigma, which signal-carrying elements leave."""
+    if PER == 1:
+        return _fma(sigma, za, signal)
+    else:
+        w = sigma * INV_SQRT2
+        return _fma(w, za, _fma(w, zb, signal))
+
+
+@triton.jit
+def _block_normals(k0, k1, k2, k3, k4, k5, k6, k7, blocks, PER: tl.constexpr, FAST: tl.constexpr):
+    """The normals (z_a, z_b) of int64 block counters of any shape: [..., 16 / PER], element order."""
     bu = blocks.to(tl.uint64, bitcast=True)
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _chacha(
         k0, k1, k2, k3, k4, k5, k6, k7, bu.to(tl.uint32), (bu >> 32).to(tl.uint32), tl.full([], 0, tl.uint32))
-    return _lanes_of_block(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, scale, PER, FAST)
+    return _lanes_of_block(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, PER, FAST)
 
 
 @triton.jit
-def _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, b_start, scale, Q: tl.constexpr, PER: tl.constexpr,
-                FAST: tl.constexpr):
-    """scale * Z as [Q, 16 / PER] for the Q consecutive blocks from b_start (an int64 scalar).
+def _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, b_start, Q: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr):
+    """The normals (z_a, z_b) as [Q, 16 / PER] of the Q consecutive blocks from b_start (int64 scalar).
 
     When no low counter word of the tile wraps, the high word is the tile's scalar, and so is most of
     ChaCha's first round. Same words either way."""
@@ -201,10 +234,10 @@ def _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, b_start, scale, Q: tl.constexpr,
         lo = lo0 + tl.arange(0, Q).to(tl.uint32)
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _chacha(
             k0, k1, k2, k3, k4, k5, k6, k7, lo, (bu >> 32).to(tl.uint32), tl.full([], 0, tl.uint32))
-        z = _lanes_of_block(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, scale, PER, FAST)
+        za, zb = _lanes_of_block(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, PER, FAST)
     else:
-        z = _block_normals(k0, k1, k2, k3, k4, k5, k6, k7, b_start + tl.arange(0, Q), scale, PER, FAST)
-    return z
+        za, zb = _block_normals(k0, k1, k2, k3, k4, k5, k6, k7, b_start + tl.arange(0, Q), PER, FAST)
+    return za, zb
 
 
 @triton.jit
@@ -236,9 +269,9 @@ def _noise_kernel(out_ptr, n, key_ptr, bbase, Q: tl.constexpr, PER: tl.constexpr
     L: tl.constexpr = 16 // PER
     start = tl.program_id(0).to(tl.int64) * (Q * L)
     k0, k1, k2, k3, k4, k5, k6, k7 = _load_key(key_ptr)
-    z = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, bbase + start // L, 1.0, Q, PER, FAST)
+    za, zb = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, bbase + start // L, Q, PER, FAST)
     offs = _lanes(Q, L)
-    tl.store(out_ptr + start + offs, z, mask=offs < n - start)
+    tl.store(out_ptr + start + offs, _noise_only(1.0, za, zb, PER), mask=offs < n - start)
 
 
 @triton.jit(do_not_specialize=["domain"])
@@ -346,10 +379,8 @@ def _rows_flood_kernel(
     g_ptr, out_ptr, norms_ptr, stats_ptr, params_ptr, key_ptr, bbase, V, D,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
 ):
-    """Pass 2 for D % (16 / PER) == 0 (every row opens a block): [BLOCK_R, BLOCK_D] tiles.
-
-    BLOCK_R == 1 (long rows): a branch per row, so rows outside S skip the load and the multiply-add.
-    """
+    """Pass 2 of short rows, D % (16 / PER) == 0 (every row opens a block): [BLOCK_R, BLOCK_D] tiles
+    (long rows take _rows_onepass_kernel)."""
     L: tl.constexpr = 16 // PER
     # Reverse block order: pass 1 finished with the last rows, so their re-reads may hit L2.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -363,39 +394,20 @@ def _rows_flood_kernel(
     gp = g_ptr + base
     op = out_ptr + base
     lanes = _lanes(BLOCK_D // L, L)  # [BLOCK_D / L, L] column offsets
-    if BLOCK_R == 1:
-        s = _row_scale(tl.load(norms_ptr + row0), rho, clip, thr)
-        read = s != 0.0  # rows outside S are never re-read
-        b_row = bbase + base // L
-        for d0 in range(0, D, BLOCK_D):
-            offs = d0 + lanes
-            sz = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, b_row + d0 // L, sigma, BLOCK_D // L, PER, FAST)
-            if EVEN_D:
-                if read:
-                    out = s * tl.load(gp + offs).to(tl.float32) + sz
-                else:
-                    out = sz
-                tl.store(op + offs, _to_out(out, out_ptr))
-            else:
-                m = offs < D
-                # (splat through int32: the interpreter turns a splatted bool scalar into fp32)
-                g = tl.load(gp + offs, mask=m & ((offs * 0 + read.to(tl.int32)) != 0), other=0.0).to(tl.float32)
-                tl.store(op + offs, _to_out(s * g + sz, out_ptr), mask=m)
-    else:
-        rows = tl.arange(0, BLOCK_R)
-        rmask = rows < V - row0
-        n = tl.load(norms_ptr + row0 + rows, mask=rmask, other=0.0)
-        s = _row_scale(n, rho, clip, thr)
-        read_row = rmask & (s != 0.0)
-        b_row = bbase + base // L + rows * (D // L)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + lanes
-            m = rmask[:, None, None] & (cols < D)[None, :, :]
-            offs = rows[:, None, None] * D + cols[None, :, :]
-            g = tl.load(gp + offs, mask=m & read_row[:, None, None], other=0.0).to(tl.float32)
-            b = b_row[:, None] + (tl.arange(0, BLOCK_D // L) + d0 // L)[None, :]
-            sz = _block_normals(k0, k1, k2, k3, k4, k5, k6, k7, b, sigma, PER, FAST)
-            tl.store(op + offs, _to_out(s[:, None, None] * g + sz, out_ptr), mask=m)
+    rows = tl.arange(0, BLOCK_R)
+    rmask = rows < V - row0
+    n = tl.load(norms_ptr + row0 + rows, mask=rmask, other=0.0)
+    s = _row_scale(n, rho, clip, thr)
+    read_row = rmask & (s != 0.0)
+    b_row = bbase + base // L + rows * (D // L)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + lanes
+        m = rmask[:, None, None] & (cols < D)[None, :, :]
+        offs = rows[:, None, None] * D + cols[None, :, :]
+        g = tl.load(gp + offs, mask=m & read_row[:, None, None], other=0.0).to(tl.float32)
+        b = b_row[:, None] + (tl.arange(0, BLOCK_D // L) + d0 // L)[None, :]
+        za, zb = _block_normals(k0, k1, k2, k3, k4, k5, k6, k7, b, PER, FAST)
+        tl.store(op + offs, _to_out(_add_noise(s[:, None, None] * g, sigma, za, zb, PER), out_ptr), mask=m)
 
 
 @triton.jit(do_not_specialize=["bbase"])
@@ -437,17 +449,17 @@ def _rows_onepass_kernel(
     tl.debug_barrier()  # in place (out is g): every thread's reads of the row before any write
     for d0 in range(0, D, BLOCK_D):
         offs = d0 + lanes
-        sz = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, b_row + d0 // L, sigma, BLOCK_D // L, PER, FAST)
+        za, zb = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, b_row + d0 // L, BLOCK_D // L, PER, FAST)
         if EVEN_D:
             if read:
-                out = s * tl.load(gp + offs).to(tl.float32) + sz
+                out = _add_noise(s * tl.load(gp + offs).to(tl.float32), sigma, za, zb, PER)
             else:
-                out = sz
+                out = _noise_only(sigma, za, zb, PER)
             tl.store(op + offs, _to_out(out, out_ptr))
         else:
             m = offs < D
             g = tl.load(gp + offs, mask=m & ((offs * 0 + read.to(tl.int32)) != 0), other=0.0).to(tl.float32)
-            tl.store(op + offs, _to_out(s * g + sz, out_ptr), mask=m)
+            tl.store(op + offs, _to_out(_add_noise(s * g, sigma, za, zb, PER), out_ptr), mask=m)
     active = (n > thr).to(tl.float32)
     tl.store(part_ptr + 4 * row, active)
     tl.store(part_ptr + 4 * row + 1, active * (n > clip).to(tl.float32))
@@ -507,8 +519,8 @@ def _rows_flood_flat_kernel(
     s = _row_scale(n, tl.load(params_ptr), tl.load(params_ptr + 2), tl.load(params_ptr + 3))
     g = tl.load(g_ptr + start + offs, mask=m & (s != 0.0), other=0.0).to(tl.float32)
     k0, k1, k2, k3, k4, k5, k6, k7 = _load_key(key_ptr)
-    sz = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, bbase + start // L, sigma, Q, PER, FAST)
-    tl.store(out_ptr + start + offs, _to_out(s * g + sz, out_ptr), mask=m)
+    za, zb = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, bbase + start // L, Q, PER, FAST)
+    tl.store(out_ptr + start + offs, _to_out(_add_noise(s * g, sigma, za, zb, PER), out_ptr), mask=m)
 
 
 # ----------------------------------------------------------------------------- matrix mode
@@ -571,17 +583,17 @@ def _matrix_flood_tile(g_ptr, out_ptr, numel, local, s, sigma, bbase, k0, k1, k2
     n_iter = tl.minimum(tl.cdiv(numel - start, BLOCK), ITERS)
     for i in range(0, n_iter):
         e0 = start + i * BLOCK
-        sz = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, bbase + e0 // L, sigma, BLOCK // L, PER, FAST)
+        za, zb = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, bbase + e0 // L, BLOCK // L, PER, FAST)
         if e0 + BLOCK <= numel:  # full block: no element mask
             if read:
-                out = s * tl.load(g_ptr + e0 + offs).to(tl.float32) + sz
+                out = _add_noise(s * tl.load(g_ptr + e0 + offs).to(tl.float32), sigma, za, zb, PER)
             else:
-                out = sz
+                out = _noise_only(sigma, za, zb, PER)
             tl.store(out_ptr + e0 + offs, _to_out(out, out_ptr))
         else:
             m = offs < numel - e0
             g = tl.load(g_ptr + e0 + offs, mask=m & ((offs * 0 + read.to(tl.int32)) != 0), other=0.0).to(tl.float32)
-            tl.store(out_ptr + e0 + offs, _to_out(s * g + sz, out_ptr), mask=m)
+            tl.store(out_ptr + e0 + offs, _to_out(_add_noise(s * g, sigma, za, zb, PER), out_ptr), mask=m)
 
 
 @triton.jit(do_not_specialize=["a_bbase", "a_first", "b_first", "a_tiles", "b_tiles", "a_numel", "b_numel"])
@@ -659,7 +671,7 @@ _ROWS_BD2 = 16384 if INTERPRETED else 1024  # its column block (at most; / words
 _ROWS_WARPS2 = None  # None: one keystream block per thread (more threads would replicate ChaCha work)
 _PIPE_WARPS = 4
 _PIPE_CHUNKS = 4  # pipeline stages of a grouped matrix flood (at most; 4 beat 1 and 8 on H100 and H200)
-_PIPE_MIN_BYTES = 0 if INTERPRETED else 128 << 20  # bytes of gradient per stage (at least)
+_PIPE_MIN_BYTES = 1 if INTERPRETED else 128 << 20  # bytes of gradient per stage (at least)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -927,7 +939,9 @@ def _matrix_chain(K, flats: list[Tensor], params: list[Tensor], bbases, key):
         tiles = _cdiv(n, _SPAN)
         part = torch.empty(tiles, 2, dtype=torch.float32, device=g.device)
         stats = torch.empty(3, dtype=torch.float32, device=g.device)
-        _pipe(K, prev[0] if prev else None, (g, n, tiles), part, prev[1] if prev else stats, key, _per(g.dtype))
+        # one launch: pass 2 of the previous tensor (its own words per element) with pass 1 of this one
+        _pipe(K, prev[0] if prev else None, (g, n, tiles), part, prev[1] if prev else stats, key,
+              prev[2] if prev else _per(g.dtype))
         _matrix_stats(K, part, stats, tiles, p)
         prev = ((g, g, n, bb, tiles), stats, _per(g.dtype))
     if prev is not None:

@@ -288,7 +288,7 @@ class Soteria(Defence):
         model = self.model
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # unknown roles are AEGIS's concern, not Soteria's
-            plans = plan(model, AegisConfig())
+            plans = plan(model, AegisConfig(strict=False))
         first = next((p for p in plans if p.role == "mlp" and p.param.dim() == 2 and p.param.requires_grad), None)
         if first is None:
             raise ValueError(f"Soteria: no trainable MLP weight found in {type(model).__name__} to protect")

@@ -76,5 +76,5 @@ def public_statistics(params: Sequence[nn.Parameter], modes: Sequence[str], loss
     stats = []
     for p, g, mode, t in zip(params, grads, modes, transposed):
         g = g if g is not None else torch.zeros_like(p)
-        stats.append(ref.statistic(g.t() if t else g, mode, tau))
+        stats.append(ref.statistic(g.t() if t else g, mode, tau, nonzero=True))
     return torch.stack(stats)

@@ -187,7 +187,8 @@ class Shield:
         return ref.new_key()
 
     def _master_words(self) -> list[int]:
-        return self._step_key().tolist()
+        """The graph derives the step key from this and the step (a fixed test key: as eagerly)."""
+        return (self._fixed_key if self._fixed_key is not None else ref.new_key()).tolist()
 
     def _device_state(self, device: torch.device) -> Tensor:
         """[master key x 8, step] on the gradients' device, advanced by the op itself (CUDA-graph

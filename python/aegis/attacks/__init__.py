@@ -10,6 +10,8 @@ from .labels import infer_labels, label_accuracy, label_null
 from .mlp_span import mlp_span
 from .spectral import spectral
 from .embedding_norm import embedding_norm
+from .fingerprint import fingerprint_accuracy, identify_sentence, secret_completion, verify
 from .tag import tag
 
-__all__ = ["shared_gradient", "dager", "mlp_span", "spectral", "embedding_norm", "tag", "infer_labels", "label_accuracy", "label_null"]
+__all__ = ["shared_gradient", "dager", "mlp_span", "spectral", "embedding_norm", "tag", "infer_labels", "label_accuracy", "label_null",
+           "verify", "secret_completion", "identify_sentence", "fingerprint_accuracy"]

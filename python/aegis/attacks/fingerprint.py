@@ -50,6 +50,7 @@ __all__ = [
     "FingerprintResult",
     "Guess",
     "fingerprint_accuracy",
+    "fingerprint_accuracies",
     "fingerprint_null",
     "flood_levels",
     "identify_sentence",
@@ -67,6 +68,7 @@ Batch = Mapping[str, Tensor]  # keyword arguments of model(**batch) whose .loss 
 _ROW_BAND = 8.0  # rows whose mean square lies this many standard deviations above the median carry signal
 _TRIM = 6.0  # elements beyond this many (robust) standard deviations are signal, not noise
 _MAD = 1.482602218505602  # sigma / median|x| of a centred normal
+_SAMPLE = 1 << 20
 
 
 # ----------------------------------------------------------------------------- observation
@@ -82,7 +84,7 @@ def _level(x: Tensor) -> tuple[float, int]:
     Rows (first axis) whose mean square lies far above the median row's carry signal and are set aside;
     of the rest, elements beyond _TRIM robust standard deviations too; the trimmed RMS, corrected for the
     trimming, estimates sigma (on pure noise its relative error is ~1/sqrt(2n), as the plain RMS's)."""
-    x = x.detach().double()
+    x = x.detach().float()
     if not torch.isfinite(x).all() or not x.any():
         return 0.0, 0
     x = x.reshape(x.shape[0], -1) if x.dim() >= 2 else x.reshape(1, -1)
@@ -90,12 +92,14 @@ def _level(x: Tensor) -> tuple[float, int]:
         ms = x.pow(2).mean(dim=1)
         x = x[ms <= ms.median() * (1 + _ROW_BAND * math.sqrt(2 / x.shape[1]))]
     flat = x.reshape(-1)
-    s0 = _MAD * flat.abs().median().item()
+    step = max(1, flat.numel() // _SAMPLE)  # the trim threshold needs no more than a subsample
+    s0 = _MAD * flat[::step].abs().median().item()
     if s0 == 0.0:  # more than half the entries are exact zeros: not a flood
         return 0.0, 0
-    kept = flat[flat.abs() <= _TRIM * s0]
-    level = math.sqrt(kept.pow(2).mean().item() / _truncated_second_moment(_TRIM))
-    return level, kept.numel()
+    inside = flat.abs() <= _TRIM * s0
+    kept = int(inside.sum())
+    total = torch.sum(torch.where(inside, flat * flat, 0.0), dtype=torch.float64).item()
+    return math.sqrt(total / kept / _truncated_second_moment(_TRIM)), kept
 
 
 def flood_levels(grads: Mapping[str, Tensor]) -> dict[str, float]:
@@ -125,7 +129,8 @@ class _Prediction:
     signal: list[tuple[Tensor | None, Tensor] | None] | None  # (row index or None, signal) for "likelihood"
 
 
-def lm_batch(tokenizer, texts: Sequence[str], model: nn.Module, labels: Sequence[int] | None = None) -> dict[str, Tensor]:
+def lm_batch(tokenizer, texts: Sequence[str], model: nn.Module,
+             labels: Sequence[int] | None = None) -> dict[str, Tensor]:
     """The batch ``shared_gradient`` builds for ``texts``: right-padded ids and mask, and the causal-LM
     targets (pads -100) or the classification ``labels``."""
     enc = tokenize(tokenizer, texts, model)
@@ -200,21 +205,20 @@ class FingerprintAttack:
         table = self.params(grads)
         sigma, energy, signal = [], [], []
         for g, t, (rho, s, clip, thr) in zip(grads, self.tensors, table.tolist()):
-            g = g.double()
             sigma.append(s)
             if t.mode == "rows":
-                norms = torch.linalg.vector_norm(g, dim=1)
-                active = norms > thr
-                scale = rho * torch.where(norms > clip, clip / norms.clamp_min(1e-300), torch.ones_like(norms))
-                idx = active.nonzero().flatten()
-                rows = scale[idx, None] * g[idx]
+                norms = torch.linalg.vector_norm(g.float(), dim=1)  # as the flood computes them (fp32)
+                idx = (norms > thr).nonzero().flatten()
+                rows = g[idx].double()
+                n_v = norms[idx].double()
+                rows = rho * torch.where(n_v > clip, clip / n_v.clamp_min(1e-300), torch.ones_like(n_v))[:, None] * rows
                 energy.append(rows.pow(2).sum().item())
                 signal.append((idx.cpu(), rows.cpu()) if keep_signal and rho > 0 and idx.numel() else None)
             else:
-                norm = torch.linalg.vector_norm(g).item()
+                norm = torch.linalg.vector_norm(g.float()).item()
                 scale = rho * (clip / norm if norm > clip else 1.0)
                 energy.append(scale * scale * norm * norm)
-                signal.append((None, (scale * g).cpu()) if keep_signal and scale > 0 and norm > 0 else None)
+                signal.append((None, (scale * g.double()).cpu()) if keep_signal and scale > 0 and norm > 0 else None)
         return _Prediction(sigma, energy, signal if keep_signal else None)
 
     # -- scoring -------------------------------------------------------------------------------------
@@ -232,14 +236,18 @@ class FingerprintAttack:
             if level == 0.0:
                 obs.append(None)
                 continue
-            sq = x.double().pow(2).sum().item()
+            sq = torch.sum(x.float() * x.float(), dtype=torch.float64).item()
             obs.append({"level": level, "kept": kept, "n": x.numel(), "sq": sq, "x": x})
         return obs
 
     def score(self, obs: list[dict | None], pred: _Prediction, variant: str = "level") -> float:
-        """Lower = more likely. level: sum_k 2 n_k (ln sigma_obs - ln sigma_pred)^2 (each term a squared
-        z-score: the log level is read to 1/sqrt(2 n)); energy: sum_k (n_k / 2) (ln ms_obs - ln ms_pred)^2;
-        likelihood: the Gaussian negative log-likelihood (up to a constant)."""
+        """Lower = more likely.
+
+        level:      sum_k 2 n_k (ln sigma_obs - ln sigma_pred)^2, each term a squared z-score (the log level
+                    is read to 1/sqrt(2 n)), over the tensors whose noise can be read apart from the signal:
+                    rows floods (the signal sits in a few rows) and rho = 0 matrix floods;
+        energy:     sum_k (n_k / 2) (ln ms_obs - ln ms_pred)^2, ms_pred = (||rho clip(G)||^2 + sigma^2 n) / n;
+        likelihood: the Gaussian negative log-likelihood of the exported tensors (up to a constant)."""
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r}: use one of {VARIANTS}")
         total = 0.0
@@ -249,6 +257,8 @@ class FingerprintAttack:
             s = max(pred.sigma[k], 1e-300)
             n = o["n"]
             if variant == "level":
+                if self.tensors[k].mode == "matrix" and self.tensors[k].rho > 0:
+                    continue  # signal spread over the whole tensor: its level is not the noise's alone
                 total += 2 * o["kept"] * (math.log(o["level"]) - math.log(s)) ** 2
             elif variant == "energy":
                 expected = (pred.signal_energy[k] + s * s * n) / n
@@ -401,8 +411,21 @@ def fingerprint_accuracy(model: nn.Module, tokenizer, config: AegisConfig, candi
     ``export(truth)`` gives the client's exported gradient dict; None protects ``model`` with ``config``
     (``aegis.protect`` freezes its attention in place) and uses ``shared_gradient`` through that shield.
     The candidates' predictions are computed once and reused across trials."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant={variant!r}: use one of {VARIANTS}")
+    return fingerprint_accuracies(model, tokenizer, config, candidates, truths, variants=(variant,), labels=labels,
+                                  export=export, calibration_loss=calibration_loss)[variant]
+
+
+def fingerprint_accuracies(model: nn.Module, tokenizer, config: AegisConfig, candidates: Sequence[Sequence[str]],
+                           truths: Sequence[int], *, variants: Sequence[str] = VARIANTS,
+                           labels: Sequence[Sequence[int]] | None = None,
+                           export: Callable[[int], Mapping[str, Tensor]] | None = None,
+                           calibration_loss: PublicLoss | None = None) -> dict[str, FingerprintResult]:
+    """:func:`fingerprint_accuracy` for several variants on the same trials (one export per trial)."""
+    for variant in variants:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant={variant!r}: use one of {VARIANTS}")
+    if len(candidates) < 2:
+        raise ValueError(f"{len(candidates)} candidate(s): a 1-of-N test needs at least 2")
     if export is None:
         from ..shield import protect
 
@@ -413,14 +436,17 @@ def fingerprint_accuracy(model: nn.Module, tokenizer, config: AegisConfig, candi
                                    labels=None if labels is None else labels[i])
 
     attack = FingerprintAttack(model, config, calibration_loss)
-    keep = variant == "likelihood"
+    keep = "likelihood" in variants
     preds = [attack.predict(lm_batch(tokenizer, c, model, None if labels is None else labels[i]), keep)
              for i, c in enumerate(candidates)]
-    shares, ranks = [], []
+    shares: dict[str, list[float]] = {v: [] for v in variants}
+    ranks: dict[str, list[float]] = {v: [] for v in variants}
     for truth in truths:
         obs = attack.observe(export(truth))
-        scores = [attack.score(obs, p, variant) for p in preds]
-        shares.append(top_share(scores, truth))
-        ranks.append(rank_of_truth(scores, truth))
-    return FingerprintResult(sum(shares) / len(shares), fingerprint_null(len(candidates)), ranks, len(candidates),
-                             variant)
+        for v in variants:
+            scores = [attack.score(obs, p, v) for p in preds]
+            shares[v].append(top_share(scores, truth))
+            ranks[v].append(rank_of_truth(scores, truth))
+    null = fingerprint_null(len(candidates))
+    return {v: FingerprintResult(sum(shares[v]) / len(shares[v]), null, ranks[v], len(candidates), v)
+            for v in variants}
