@@ -204,7 +204,8 @@ def noise(shape: Sequence[int], key: Tensor, offset: int = 0, dtype: torch.dtype
     per = words_per_element(dtype)
     per_block = BLOCK_WORDS // per
     za, zb = noise_components(n, key, offset, per, device)
-    z = za if zb is None else fma(INV_SQRT2, za, (torch.tensor(INV_SQRT2, dtype=torch.float32) * zb))
+    c = torch.tensor(INV_SQRT2, dtype=torch.float32, device=device)
+    z = za if zb is None else fma(c, za, c * zb)  # add_noise at sigma = 1
     return z.reshape(tuple(shape))
 
 
@@ -255,7 +256,7 @@ def flood_rows(grad: Tensor, params: Tensor, z: Tensor, zb: Tensor | None = None
     """Rows flood with noise ``z`` (or summands z, zb); stats = [sigma, |S|, |S clipped|, max n_v]."""
     rho, sigma, clip, thr = params.float().unbind()
     g = grad.float()
-    norms = torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).float()  # (E1), accumulated exactly enough
+    norms = torch.linalg.vector_norm(g, dim=1)  # (E1)
     active = norms > thr  # (E2)
     scale = torch.where(active, rho * _clip_scale(norms, clip), 0.0)  # (C)
     out = add_noise(scale[:, None] * g, sigma, z, zb)  # (E4)
@@ -268,7 +269,7 @@ def flood_matrix(grad: Tensor, params: Tensor, z: Tensor, zb: Tensor | None = No
     """Matrix flood with noise ``z`` (or summands z, zb); stats = [sigma, ||G||_F, rho min(1, clip/||G||)]."""
     rho, sigma, clip, _ = params.float().unbind()
     g = grad.float()
-    norm = torch.linalg.vector_norm(g, dtype=torch.float64).float()
+    norm = torch.linalg.vector_norm(g)
     scale = rho * _clip_scale(norm, clip)  # (C)
     out = add_noise(scale * g, sigma, z, zb)  # (E5)
     return _finish(out, torch.stack((sigma, norm, scale)), grad)
@@ -282,11 +283,11 @@ def as_params(params: Tensor | Sequence[float], device: torch.device) -> Tensor:
 
 
 def flood(grad: Tensor, mode: str, params: Tensor | Sequence[float], key: Tensor | None = None, offset: int = 0,
-          z: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Flood one gradient: noise from ``(key, offset)`` or an explicit ``z``."""
+          z: Tensor | None = None, zb: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Flood one gradient: noise from ``(key, offset)``, or explicit ``z`` (or summands z, zb: the
+    fp16 / fp32 form, added in two fused multiply-adds)."""
     check_grad(grad, mode)
     params = as_params(params, grad.device)
-    zb = None
     if z is None:
         if key is None:
             raise ValueError("flood: pass either z (explicit noise) or key (and offset)")
@@ -294,9 +295,10 @@ def flood(grad: Tensor, mode: str, params: Tensor | Sequence[float], key: Tensor
         check_key(key)
         za, zb = noise_components(grad.numel(), key, offset, words_per_element(grad.dtype), grad.device)
         z, zb = za.view(grad.shape), None if zb is None else zb.view(grad.shape)
-    elif z.shape != grad.shape:
+    elif z.shape != grad.shape or (zb is not None and zb.shape != grad.shape):
         raise ValueError(f"z has shape {tuple(z.shape)} but grad has {tuple(grad.shape)}")
     z = z.to(device=grad.device, dtype=torch.float32)
+    zb = None if zb is None else zb.to(device=grad.device, dtype=torch.float32)
     return (flood_rows if mode == "rows" else flood_matrix)(grad, params, z, zb)
 
 

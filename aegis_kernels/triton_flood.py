@@ -265,13 +265,20 @@ def _to_out(x, out_ptr):
 
 # ----------------------------------------------------------------------------- noise / keys
 @triton.jit(do_not_specialize=["bbase"])
-def _noise_kernel(out_ptr, n, key_ptr, bbase, Q: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr):
+def _noise_kernel(out_ptr, out_b_ptr, n, key_ptr, bbase, Q: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
+                  PARTS: tl.constexpr):
+    """Z (PARTS False), or the summands z_a, z_b of each element (PARTS, PER 2) into out, out_b."""
     L: tl.constexpr = 16 // PER
     start = tl.program_id(0).to(tl.int64) * (Q * L)
     k0, k1, k2, k3, k4, k5, k6, k7 = _load_key(key_ptr)
     za, zb = _noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, bbase + start // L, Q, PER, FAST)
     offs = _lanes(Q, L)
-    tl.store(out_ptr + start + offs, _noise_only(1.0, za, zb, PER), mask=offs < n - start)
+    m = offs < n - start
+    if PARTS:
+        tl.store(out_ptr + start + offs, za, mask=m)
+        tl.store(out_b_ptr + start + offs, zb, mask=m)
+    else:
+        tl.store(out_ptr + start + offs, _noise_only(1.0, za, zb, PER), mask=m)
 
 
 @triton.jit(do_not_specialize=["domain"])
@@ -1052,11 +1059,24 @@ def _matrix_grouped(K, grads: list[Tensor], params: Tensor, bbases, key, vec: bo
 
 # ----------------------------------------------------------------------------- public launchers
 def noise(shape, key: Tensor, offset: int = 0, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
-    """The exact Z (fp32) that a flood with output ``dtype`` adds, from the (key, offset) stream."""
+    """The Z (fp32) that a flood with output ``dtype`` adds, from the (key, offset) stream."""
+    return _noise(shape, key, offset, dtype, device, parts=False)[0]
+
+
+def noise_parts(shape, key: Tensor, offset: int = 0, dtype: torch.dtype = torch.float32, device=None):
+    """The exact normals a flood with output ``dtype`` uses: (z, None) for bf16, the two summands
+    (z_a, z_b) for fp16 / fp32 (reference.flood(..., z=z_a, zb=z_b) is then the kernels' flood)."""
+    if _per(dtype) == 1:
+        return noise(shape, key, offset, dtype, device), None
+    return _noise(shape, key, offset, dtype, device, parts=True)
+
+
+def _noise(shape, key, offset, dtype, device, parts: bool):
     ref.check_offset(offset)
     device = torch.device("cpu" if device is None else device)
     key = _device_key(key, device)
     out = torch.empty(tuple(int(s) for s in shape), dtype=torch.float32, device=device)
+    out_b = torch.empty_like(out) if parts else out
     n = out.numel()
     if n:
         K = _kernels(device)
@@ -1064,9 +1084,10 @@ def noise(shape, key: Tensor, offset: int = 0, dtype: torch.dtype = torch.float3
         q = K._NOISE_BLOCK * per // ref.BLOCK_WORDS
         with _on(device):
             K._noise_kernel[(_cdiv(n, q * ref.BLOCK_WORDS // per),)](
-                out, n, key, offset // ref.BLOCK_WORDS, Q=q, PER=per, FAST=K.FAST_MATH, num_warps=4
+                out, out_b, n, key, offset // ref.BLOCK_WORDS, Q=q, PER=per, FAST=K.FAST_MATH, PARTS=parts,
+                num_warps=4,
             )
-    return out
+    return out, (out_b if parts else None)
 
 
 def keystream(key: Tensor, blocks: Tensor, domain: int = ref.NOISE_DOMAIN) -> Tensor:

@@ -84,8 +84,14 @@ def _params(g, mode, rho=0.3, sigma=1.5, clip_factor=0.7, thr_factor=0.01):
 def _kernel_flood(g, mode, params, key=KEY, offset=16 * 5):
     """(out, stats, the kernels' own Z for this tensor), all from the kernels on g's device."""
     out, stats = TF.flood(g, mode, params, key, offset)
-    z = TF.noise(g.shape, key, offset, g.dtype, device=g.device)
-    return out, stats, z
+    return out, stats, TF.noise_parts(g.shape, key, offset, g.dtype, device=g.device)
+
+
+def _noise_term(parts, sigma=1.0, signal=None) -> torch.Tensor:
+    """signal + sigma Z exactly as the kernels add it, from their own normals (reference.add_noise)."""
+    za, zb = parts
+    base = torch.zeros_like(za) if signal is None else signal.to(za.device, torch.float32)
+    return ref.add_noise(base, torch.tensor(sigma, dtype=torch.float32, device=za.device), za, zb)
 
 
 def _norm_tol(n: int) -> float:
@@ -94,8 +100,8 @@ def _norm_tol(n: int) -> float:
 
 
 def _check_flood(g, mode, params, out, stats, z, exact=True, in_place=False):
-    """The flood contract on the kernels' outputs (any device), against reference.flood(G, z=Z) with
-    the kernels' own noise Z:
+    """The flood contract on the kernels' outputs (any device), against reference.flood(G, z=z_a, zb=z_b)
+    with the kernels' own normals (z, None for bf16; the two summands for fp16 / fp32):
 
     stats: sigma exact; rows |S| and clipped count equal; max n_v and ||G||_F exact on exact data
     (else within summation rounding of fp64); the matrix scale rho min(1, clip / ||G||_F).
@@ -107,10 +113,13 @@ def _check_flood(g, mode, params, out, stats, z, exact=True, in_place=False):
     cuda = dev.type == "cuda"
     assert out.shape == g.shape and out.dtype == g.dtype and (in_place or out.is_contiguous())
     assert stats.device == dev and stats.dtype == torch.float32
-    out, stats, z, gc, p = out.cpu(), stats.cpu(), z.cpu(), g.cpu(), params.cpu()
+    za, zb = z if isinstance(z, tuple) else (z, None)
+    za, zb = za.cpu(), None if zb is None else zb.cpu()
+    out, stats, gc, p = out.cpu(), stats.cpu(), g.cpu(), params.cpu()
     rho, sigma, clip, thr = p.tolist()
     g32, g64 = gc.float(), gc.double()
-    ref_out, ref_stats = ref.flood(gc, mode, p, z=z)
+    ref_out, ref_stats = ref.flood(gc, mode, p, z=za, zb=zb)
+    z = za if zb is None else (za + zb) * ref.INV_SQRT2
     assert stats[0].item() == sigma
     div_tol = 4 * U32 if cuda else 0.0  # Triton's fp32 division on the GPU is not correctly rounded
     if mode == "rows":
@@ -361,7 +370,7 @@ def test_rho_zero_is_pure_noise(shape, modes, dtype):
     for mode in modes:
         for sigma in (1.0, 2.0):
             out, stats, z = _kernel_flood(g, mode, torch.tensor([0.0, sigma, 1.0, 0.0]), offset=16 * 40)
-            assert torch.equal(out, (sigma * z).to(dtype)), (mode, sigma)
+            assert torch.equal(out, _noise_term(z, sigma).to(dtype)), (mode, sigma)
         params = torch.tensor([0.0, 1.7, 1.0, 0.0])
         out, stats, z = _kernel_flood(g, mode, params, offset=16 * 40)
         _check_flood(g, mode, params, out, stats, z, exact=False)
@@ -377,7 +386,7 @@ def test_counters_past_32_bits(shape, offset):
             params = _params(g, mode)
             out, stats, z = _kernel_flood(g, mode, params, offset=offset)
             _check_flood(g, mode, params, out, stats, z)
-            assert (z - ref.noise(shape, KEY, offset, dtype)).abs().max().item() <= 1e-6
+            assert (_noise_term(z) - ref.noise(shape, KEY, offset, dtype)).abs().max().item() <= 1e-6
 
 
 def test_matrix_mode_any_rank():
@@ -433,7 +442,7 @@ def test_rows_threshold_is_strict_and_ties_count():
         out, stats, z = _kernel_flood(g.to(dtype), "rows", params, offset=0)
         assert stats.tolist() == [1.5, 3.0, 2.0, 2.0]
         if dtype == torch.bfloat16:
-            assert torch.equal(out, (keep * g + params[1] * z).to(dtype))
+            assert torch.equal(out, _noise_term(z, params[1].item(), keep * g).to(dtype))
         _check_flood(g.to(dtype), "rows", params, out, stats, z)
 
 
@@ -451,7 +460,7 @@ def test_empty(mode, shape):
 @pytest.mark.parametrize("shape", [(9, 16), (2, 1024)])
 def test_zero_gradient(mode, shape):
     out, stats, z = _kernel_flood(torch.zeros(shape), mode, torch.tensor([0.25, 2.0, 1.0, 0.0]))
-    assert torch.equal(out, 2.0 * z)
+    assert torch.equal(out, _noise_term(z, 2.0))
     assert stats.tolist() == ([2.0, 0.0, 0.0, 0.0] if mode == "rows" else [2.0, 0.0, 0.25])
     out, stats = TF.flood(torch.zeros(shape), mode, torch.tensor([0.25, 0.0, 1.0, 0.0]), KEY, 0)
     assert torch.equal(out, torch.zeros(shape))  # sigma 0: nothing added
@@ -730,7 +739,7 @@ def test_gpu_edge_cases():
         for shape in [(65, 36), (3, 1024), (300, 1000)]:
             g = _grad(shape, torch.float32, CUDA, exact=False) * 1e4
             out, stats, z = _kernel_flood(g, mode, torch.tensor([0.0, 1.0, 1.0, 0.0], device=CUDA))
-            assert ((out - z).abs() <= 16 * U32).all()  # rho 0: sigma Z (the multiply-add may fuse)
+            assert ((out - _noise_term(z).to(out.device)).abs() <= 16 * U32).all()  # rho 0: sigma Z
     g = torch.zeros(6, 8, device=CUDA)
     g[0, 0], g[1, 3], g[2, 5], g[3, 1] = 2.0, -2.0, 0.5, 0.5 + 2**-20
     g[4, :4] = 0.125

