@@ -66,6 +66,15 @@ def _baseline_module(path: str):
     return importlib.import_module("baseline_kernels.triton_flood")
 
 
+def time_baseline(res: dict, fn) -> None:
+    """baseline_ms (eager) and baseline_graph_ms (CUDA-graph replay) of the earlier package's flood."""
+    res["baseline_ms"] = timed(fn)
+    try:
+        res["baseline_graph_ms"] = do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as exc:  # noqa: BLE001
+        res["baseline_graph_error"] = repr(exc)[:300]
+
+
 def baseline_rows(g):
     return lambda: BASELINE.flood(g, "rows", 0.3, 1.0, TAU, SEED, 0)
 
@@ -173,11 +182,7 @@ def bench_rows(name, V, D, dtype, active, compile_ref: bool, extra: bool) -> dic
         except Exception as exc:  # noqa: BLE001
             res["fused_graph_error"] = repr(exc)[:300]
         if BASELINE is not None:
-            res["baseline_ms"] = timed(baseline_rows(g))
-            try:
-                res["baseline_graph_ms"] = do_bench_cudagraph(baseline_rows(g), rep=100, return_mode="median")
-            except Exception as exc:  # noqa: BLE001
-                res["baseline_graph_error"] = repr(exc)[:300]
+            time_baseline(res, baseline_rows(g))
         TF.FAST_MATH = False  # the accurate libdevice log, for the record
         try:
             res["fused_accurate_ms"] = timed(fused)
@@ -239,11 +244,7 @@ def bench_grouped(name, shapes, dtype, compile_ref: bool, extra: bool) -> dict:
         except Exception as exc:  # noqa: BLE001
             res["profile_error"] = repr(exc)[:300]
         if BASELINE is not None:
-            res["baseline_ms"] = timed(baseline_grouped(grads))
-            try:
-                res["baseline_graph_ms"] = do_bench_cudagraph(baseline_grouped(grads), rep=100, return_mode="median")
-            except Exception as exc:  # noqa: BLE001
-                res["baseline_graph_error"] = repr(exc)[:300]
+            time_baseline(res, baseline_grouped(grads))
     if not SKIP_EAGER:
         res["eager_ms"] = timed(lambda: ref.flood_many_(grads, ["matrix"] * k, params, key))
     torch.cuda.empty_cache()
