@@ -726,7 +726,7 @@ class _InterpretedLaunch:
 
     Those were decorated without TRITON_INTERPRET when triton was imported, so inside an
     interpreted kernel they are JITFunctions; for the launch they act as InterpretedFunctions.
-    The interpreter's integer-overflow sanitizer (a check per uint32 Philox multiply, where
+    The interpreter's integer-overflow sanitizer (a check per uint32 cipher addition, where
     wrapping is the point) is switched off for the launch: it doubles the run time.
     """
 
