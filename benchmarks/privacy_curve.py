@@ -45,9 +45,7 @@ def run(lams, batches: int, batch_size: int, seed: int) -> dict:
     for rho in RHOS:
         for lam in lams:
             # The shield freezes attention on first use; later shields only swap the MLP treatment.
-            config = aegis.AegisConfig(
-                preset="paper", overrides={"mlp": aegis.Treatment("matrix", lam=lam, rho=rho)}, seed=seed
-            )
+            config = aegis.AegisConfig(preset="paper", overrides={"mlp": aegis.Treatment("matrix", lam=lam, rho=rho)})
             shield = aegis.protect(model, config=config)
             sums = {name: [0.0, 0.0, 0.0] for name in ATTACKS}
             for batch in texts:
