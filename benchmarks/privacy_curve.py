@@ -101,7 +101,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="5 lambdas and 2 batches")
     parser.add_argument("--batches", type=int, help="batches per point (default 8, quick 2)")
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0, help="flood seed (fixed for reproduction)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the null baseline (the flood always draws fresh keys)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
 
