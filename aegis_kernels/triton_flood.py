@@ -384,7 +384,7 @@ def _row_scale(n, rho, clip, thr):
 @triton.jit(do_not_specialize=["bbase"])
 def _rows_flood_kernel(
     g_ptr, out_ptr, norms_ptr, stats_ptr, params_ptr, key_ptr, bbase, V, D,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
 ):
     """Pass 2 of short rows, D % (16 / PER) == 0 (every row opens a block): [BLOCK_R, BLOCK_D] tiles
     (long rows take _rows_onepass_kernel)."""
@@ -878,7 +878,7 @@ def _rows(K, g: Tensor, out: Tensor, params: Tensor, key: Tensor, bbase: int, st
     if D % (ref.BLOCK_WORDS // per) == 0:
         K._rows_flood_kernel[(_cdiv(V, br2),)](
             g, out, norms, stats, params, key, bbase, V, D,
-            BLOCK_R=br2, BLOCK_D=bd2, EVEN_D=D % bd2 == 0, PER=per, FAST=K.FAST_MATH, num_warps=w2,
+            BLOCK_R=br2, BLOCK_D=bd2, PER=per, FAST=K.FAST_MATH, num_warps=w2,
         )
     else:
         n = V * D
