@@ -202,7 +202,6 @@ def noise(shape: Sequence[int], key: Tensor, offset: int = 0, dtype: torch.dtype
     n = math.prod(shape)
     device = torch.device(device or "cpu")
     per = words_per_element(dtype)
-    per_block = BLOCK_WORDS // per
     za, zb = noise_components(n, key, offset, per, device)
     c = torch.tensor(INV_SQRT2, dtype=torch.float32, device=device)
     z = za if zb is None else fma(c, za, c * zb)  # add_noise at sigma = 1
