@@ -3,19 +3,15 @@
 Knows nothing of the ``aegis`` library. The PyTorch reference (``aegis_kernels.reference``)
 runs on every device; on CUDA the fused Triton kernels replace it when Triton is installed.
 """
+import importlib.util
+
 from . import ops, reference
 from .reference import derive_key, key_from_int, new_key, stream_offsets
 
-try:  # the fused kernels need Triton; without it the reference serves CUDA too
-    import triton  # noqa: F401
-except ImportError:  # pragma: no cover - exercised on machines without triton
-    HAS_TRITON = False
-else:
-    HAS_TRITON = True
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # without it the reference serves CUDA too
+if HAS_TRITON:
     try:  # CUDA implementations of the ops; CPU keeps the reference
-        from . import triton_flood
-
-        triton_flood.register()
+        ops.register_triton_kernels()
     except Exception as exc:  # pragma: no cover - a broken Triton must not break the package
         import warnings
 

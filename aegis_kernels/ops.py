@@ -1,7 +1,9 @@
-"""torch.ops.aegis.*: the flood ops (docs/design.md §2).
+"""torch.ops.aegis.*: the flood ops (docs/design.md §2), and every registration of them.
 
-The PyTorch reference is the implementation on every device; ``aegis_kernels/__init__.py``
-registers the fused Triton kernels for CUDA on top of it when Triton is present.
+Importing this module defines the ops with the PyTorch reference (``aegis_kernels.reference``) as the
+implementation on every device. ``register_triton_kernels()`` puts the fused Triton kernels
+(``aegis_kernels.triton``) on the CUDA key on top of it; ``aegis_kernels/__init__.py`` calls it when
+Triton is installed. No other module registers anything with torch.library.
 Keys, parameters and offsets are explicit arguments, so every op is a pure function of its
 inputs (what opcheck, torch.compile and CUDA-graph replay need).
 """
@@ -68,3 +70,45 @@ def noise(shape: list[int], key: Tensor, offset: int, dtype: torch.dtype, device
 def _noise_fake(shape, key, offset, dtype, device):
     ref.check_offset(offset)
     return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+# ----------------------------------------------------------------------------- CUDA: the Triton kernels
+_TRITON_LIB: torch.library.Library | None = None
+
+
+def register_triton_kernels() -> None:
+    """Make the fused Triton kernels the CUDA implementations of torch.ops.aegis.* (CPU keeps the
+    reference). Idempotent.
+
+    flood, flood_ and flood_keyed_ go on the dispatcher's CUDA key directly: custom_op's
+    register_kernel wraps every call in a Python aliasing check that measured ~80 us per call on an
+    H100 host, more than a rows flood's own launches. flood never returns a view of its input (a
+    fresh output), the in-place ops return nothing."""
+    global _TRITON_LIB
+    if _TRITON_LIB is not None:
+        return
+    from . import triton as fused
+
+    def _flood_cuda(grad, mode, params, key, offset):
+        return fused.flood(grad, mode, params, key, offset)
+
+    def _flood__cuda(grads, modes, params, key):
+        fused.flood_(grads, modes, params, key)
+
+    def _flood_keyed__cuda(grads, modes, params, state):
+        fused.flood_keyed_(grads, modes, params, state)
+
+    lib = torch.library.Library("aegis", "IMPL")
+    lib.impl("flood", _flood_cuda, "CUDA")
+    lib.impl("flood_", _flood__cuda, "CUDA")
+    lib.impl("flood_keyed_", _flood_keyed__cuda, "CUDA")
+
+    # noise has no tensor input but the key: it dispatches on the key's device (CPU keys are the
+    # norm), so the CUDA case is chosen by the ``device`` argument inside one CPU/CUDA kernel.
+    @noise.register_kernel(("cpu", "cuda"))
+    def _noise_cpu_cuda(shape, key, offset, dtype, device):
+        if torch.device(device).type == "cuda":
+            return fused.noise(shape, key, offset, dtype, device=device)
+        return ref.noise(tuple(shape), key, offset, dtype, device=device)
+
+    _TRITON_LIB = lib

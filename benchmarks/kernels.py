@@ -39,7 +39,8 @@ from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 import aegis_kernels  # noqa: E402,F401  (registers the CUDA kernels)
 from aegis_kernels import reference as ref  # noqa: E402
-from aegis_kernels import triton_flood as TF  # noqa: E402
+from aegis_kernels.triton import tables  # noqa: E402
+from aegis_kernels.triton.launch import GPU as LAUNCH  # noqa: E402  (the CUDA launch configuration)
 
 TAU, SEED = 0.01, 0x5EED_1234_5678
 LAM_STATIONARY = math.sqrt(math.pi / 2)
@@ -183,11 +184,11 @@ def bench_rows(name, V, D, dtype, active, compile_ref: bool, extra: bool) -> dic
             res["fused_graph_error"] = repr(exc)[:300]
         if BASELINE is not None:
             time_baseline(res, baseline_rows(g))
-        TF.FAST_MATH = False  # the accurate libdevice log, for the record
+        LAUNCH.fast_math = False  # the accurate libdevice log, for the record
         try:
             res["fused_accurate_ms"] = timed(fused)
         finally:
-            TF.FAST_MATH = True
+            LAUNCH.fast_math = True
         try:
             res["kernels_ms"] = profile_kernels(fused)
         except Exception as exc:  # noqa: BLE001
@@ -284,21 +285,20 @@ CASES = {
 }
 
 
-KNOBS = ("_ROWS_TILE1", "_ROWS_WARPS1", "_ROWS_TILE2", "_ROWS_WARPS", "_ROW_SPLIT", "_ROWS_BD2", "_ROWS_WARPS2",
-         "_SUM_BLOCK", "_SUM_ITERS", "_SUM_UNROLL", "_FLOOD_BLOCK", "_FLOOD_ITERS", "_PIPE_WARPS", "_PIPE_CHUNKS")
+KNOBS = ("rows_tile1", "rows_warps1", "rows_tile2", "rows_warps", "row_split", "rows_bd2", "rows_warps2",
+         "sum_block", "sum_iters", "sum_unroll", "flood_block", "flood_iters", "pipe_warps", "pipe_chunks")
 # (sweep timings use do_bench, eager: compare variants with each other, not with the graph column)
 
 
 def sweep() -> list[dict]:
     """Block/warp variants of the fused kernels on the bar cases (whole op timed; {} = defaults)."""
     out = []
-    saved = {k: getattr(TF, k) for k in KNOBS}
+    saved = {k: getattr(LAUNCH, k) for k in KNOBS}
 
     def run(case, fn, **knobs):
         for key, value in knobs.items():
-            setattr(TF, key, value)
-        TF._TABLES.clear()
-        TF._LAYOUTS.clear()
+            setattr(LAUNCH, key, value)
+        tables.clear_caches()
         try:
             out.append({"case": case, **{k.strip("_").lower(): v for k, v in knobs.items()},
                         "ms": do_bench_cudagraph(fn, rep=50, return_mode="median")})
@@ -306,8 +306,8 @@ def sweep() -> list[dict]:
             out.append({"case": case, **knobs, "error": repr(exc)[:200]})
         print(json.dumps(out[-1]), flush=True)
         for key, value in saved.items():
-            setattr(TF, key, value)
-        TF._TABLES.clear()
+            setattr(LAUNCH, key, value)
+        tables.clear_caches()
 
     try:
         key = _key()
@@ -316,18 +316,18 @@ def sweep() -> list[dict]:
         f = lambda: torch.ops.aegis.flood(g, "rows", p, key, 0)  # noqa: E731
         c = "rows 50257x768 fp32"
         run(c, f)
-        run(c, f, _ROWS_WARPS2=4)
-        run(c, f, _ROWS_BD2=256, _ROWS_WARPS2=2)
-        run(c, f, _ROWS_BD2=256, _ROWS_WARPS2=1)
+        run(c, f, rows_warps2=4)
+        run(c, f, rows_bd2=256, rows_warps2=2)
+        run(c, f, rows_bd2=256, rows_warps2=1)
         del g
         g, _ = rows_grad(32000, 4096, torch.bfloat16, "sparse")
         p = _rows_params(g)
         f = lambda: torch.ops.aegis.flood(g, "rows", p, key, 0)  # noqa: E731
         c = "rows 32000x4096 bf16"
         run(c, f)
-        run(c, f, _ROWS_BD2=1024, _ROWS_WARPS2=4)
-        run(c, f, _ROWS_BD2=512, _ROWS_WARPS2=2)
-        run(c, f, _ROWS_BD2=2048, _ROWS_WARPS2=4)
+        run(c, f, rows_bd2=1024, rows_warps2=4)
+        run(c, f, rows_bd2=512, rows_warps2=2)
+        run(c, f, rows_bd2=2048, rows_warps2=4)
         del g
         for dtype, shapes, c in ((torch.float32, gpt2_mlp(), "grouped gpt2 mlp fp32"),
                                  (torch.bfloat16, llama7b_mlp()[:24], "grouped llama mlp bf16 x24")):
@@ -337,14 +337,14 @@ def sweep() -> list[dict]:
             pk = torch.tensor([[0.0, 1e-3, 1.0, 0.0]] * k, device="cuda")
             f = lambda: torch.ops.aegis.flood_(grads, ",".join(["matrix"] * k), pk, key)  # noqa: E731
             run(c, f)
-            run(c, f, _PIPE_WARPS=8)
-            run(c, f, _FLOOD_BLOCK=1024, _FLOOD_ITERS=16)
-            run(c, f, _FLOOD_BLOCK=1024, _FLOOD_ITERS=16, _PIPE_WARPS=2)
-            run(c, f, _PIPE_CHUNKS=8)
+            run(c, f, pipe_warps=8)
+            run(c, f, flood_block=1024, flood_iters=16)
+            run(c, f, flood_block=1024, flood_iters=16, pipe_warps=2)
+            run(c, f, pipe_chunks=8)
             del grads
     finally:
         for key, value in saved.items():
-            setattr(TF, key, value)
+            setattr(LAUNCH, key, value)
         torch.cuda.empty_cache()
     return out
 
@@ -395,7 +395,7 @@ def main() -> None:
         doc = {  # rewritten after every case, so a run cut short keeps what it measured
             "device": torch.cuda.get_device_name(), "card": card, "copy_bandwidth_Bps": bw,
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "fast_math": TF.FAST_MATH, "chacha_rounds": ref.ROUNDS, "method": __doc__, "results": results,
+            "fast_math": LAUNCH.fast_math, "chacha_rounds": ref.ROUNDS, "method": __doc__, "results": results,
             "sweep": sweeps, "baseline": args.baseline,
         }
         out = Path(args.out)

@@ -1,4 +1,4 @@
-"""Fused Triton kernels (aegis_kernels.triton_flood) against the PyTorch reference.
+"""Fused Triton kernels (aegis_kernels.triton) against the PyTorch reference.
 
 CPU (default selection): the launchers run CPU tensors through the Triton interpreter (a copy of the
 kernel module made under TRITON_INTERPRET=1), so these tests run the real kernels. Keystream words
@@ -27,7 +27,9 @@ import triton.language as tl  # noqa: E402
 
 import aegis_kernels  # noqa: E402  (registers the CUDA kernels)
 from aegis_kernels import reference as ref  # noqa: E402
-from aegis_kernels import triton_flood as TF  # noqa: E402
+from aegis_kernels import triton as TF  # noqa: E402
+from aegis_kernels.triton import interpret, stream, tables  # noqa: E402
+from aegis_kernels.triton import testing as TT  # noqa: E402
 
 CPU = torch.device("cpu")
 U32 = 2.0**-24  # unit roundoff of fp32
@@ -84,7 +86,7 @@ def _params(g, mode, rho=0.3, sigma=1.5, clip_factor=0.7, thr_factor=0.01):
 def _kernel_flood(g, mode, params, key=KEY, offset=16 * 5):
     """(out, stats, the kernels' own Z for this tensor), all from the kernels on g's device."""
     out, stats = TF.flood(g, mode, params, key, offset)
-    return out, stats, TF.noise_parts(g.shape, key, offset, g.dtype, device=g.device)
+    return out, stats, TT.noise_parts(g.shape, key, offset, g.dtype, device=g.device)
 
 
 def _noise_term(parts, sigma=1.0, signal=None) -> torch.Tensor:
@@ -184,10 +186,10 @@ def _blocks(n_random: int, seed: int = 1) -> torch.Tensor:
 def test_keystream_words_are_bit_exact(domain):
     blocks = _blocks(150)
     for key in (KEY, aegis_kernels.key_from_int(0), aegis_kernels.key_from_int(2**256 - 1)):
-        words = TF.keystream(key, blocks, domain)
+        words = TT.keystream(key, blocks, domain)
         assert words.dtype == torch.int64 and words.shape == (len(blocks), 16)
         assert torch.equal(words, ref.keystream(key, blocks, domain))
-    assert TF.keystream(KEY, torch.empty(0, dtype=torch.int64)).shape == (0, 16)
+    assert TT.keystream(KEY, torch.empty(0, dtype=torch.int64)).shape == (0, 16)
 
 
 def test_derive_key_kernel_matches_reference_and_advances():
@@ -257,8 +259,8 @@ def _kernel_normal_pair(a: torch.Tensor, b: torch.Tensor):
     """z0, z1 = the kernels' _normal_pair(a, b): compiled on CUDA (hardware log), interpreted on CPU."""
     cuda = a.is_cuda
     if cuda not in _PAIR_KERNELS:
-        mod = TF if cuda else TF.interpreter_module()
-        fn = types.FunctionType(_pair_kernel.__code__, {**globals(), "_normal_pair": mod._normal_pair}, "_pair_kernel")
+        mod = stream if cuda else interpret.interpreted_module("stream")
+        fn = types.FunctionType(_pair_kernel.__code__, {**globals(), "_normal_pair": mod.normal_pair}, "_pair_kernel")
         fn.__module__, fn.__qualname__ = __name__, "_pair_kernel"
         fn.__annotations__ = dict(_pair_kernel.__annotations__)  # triton reads the tl.constexpr marks
         if cuda:
@@ -267,7 +269,7 @@ def _kernel_normal_pair(a: torch.Tensor, b: torch.Tensor):
             old = os.environ.get("TRITON_INTERPRET")
             os.environ["TRITON_INTERPRET"] = "1"  # triton.jit reads it when it decorates
             try:
-                _PAIR_KERNELS[cuda] = TF._InterpretedLaunch(triton.jit(fn))
+                _PAIR_KERNELS[cuda] = interpret.InterpretedLaunch(triton.jit(fn))
             finally:
                 if old is None:
                     del os.environ["TRITON_INTERPRET"]
@@ -620,8 +622,8 @@ def test_group_tables_rebuild_only_addresses_when_gradients_move():
     a = [torch.zeros(3, 7000), torch.zeros(129), torch.zeros(40000)]
     b = [t.clone() for t in a]
     bbases = [0, 2625, 2642]
-    meta_a, tiles_a, first, chunks, _ = TF._group_tables(a, bbases)
-    meta_b, tiles_b, first_b, _, _ = TF._group_tables(b, bbases)
+    meta_a, tiles_a, first, chunks, _ = tables.group_tables(a, bbases)
+    meta_b, tiles_b, first_b, _, _ = tables.group_tables(b, bbases)
     numels = [21000, 129, 40000]
     assert first == [0, 2, 3, 6]  # 16384-element tiles per tensor
     assert meta_a.tolist() == [t.data_ptr() for t in a] + numels + bbases + first
@@ -629,7 +631,7 @@ def test_group_tables_rebuild_only_addresses_when_gradients_move():
     assert tiles_b is tiles_a and first_b is first  # layout shared, not rebuilt
     assert tiles_a.tolist() == [0, 0, 1, 2, 2, 2]
     assert chunks[0][0] == 0 and chunks[-1][1] == 3
-    assert TF._group_tables(a, bbases)[0] is meta_a  # same addresses: the cached table
+    assert tables.group_tables(a, bbases)[0] is meta_a  # same addresses: the cached table
 
 
 # ----------------------------------------------------------------------------- slow (interpreter, big)
@@ -663,7 +665,7 @@ CUDA = torch.device("cuda")
 @pytest.mark.parametrize("domain", [0, 1, 5])
 def test_gpu_keystream_and_derive_key_are_bit_exact(domain):
     blocks = _blocks(4000)
-    assert torch.equal(TF.keystream(KEY.cuda(), blocks.cuda(), domain).cpu(), ref.keystream(KEY, blocks, domain))
+    assert torch.equal(TT.keystream(KEY.cuda(), blocks.cuda(), domain).cpu(), ref.keystream(KEY, blocks, domain))
     for step in (0, 1, 2**32 - 1, 2**62 + 3):
         state = torch.cat([KEY, torch.tensor([step])]).cuda()
         assert torch.equal(TF.derive_key(state).cpu(), ref.derive_key(KEY, step))

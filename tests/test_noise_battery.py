@@ -223,7 +223,7 @@ def test_battery_has_teeth(family):
 # ----------------------------------------------------------------------------- kernels (Triton interpreter, CPU)
 @functools.lru_cache(maxsize=None)
 def _interpreter_results(name: str):
-    TF = pytest.importorskip("aegis_kernels.triton_flood")
+    TF = pytest.importorskip("aegis_kernels.triton")
     dtype = DTYPES[name]
     g, labels, sigma = _case(IV, ID, IACTIVE, dtype, seed=2)
     out, stats = TF.flood(g, "rows", _params(sigma), ref.key_from_int(KEY + 2), 0)
