@@ -1,20 +1,30 @@
-import Aegis.Channel2
+import Aegis.Mechanism
+import Aegis.Moments
 
 /-!
-# Proposition 1: the flooded gradient is a biased, scaled gradient
+# Proposition 1: SGD on flooded gradients
 
-For a gradient `g ∈ ℝ^d` AEGIS exports `out = ρ g + n` with zero-mean noise `n`. Then
+The flood of a gradient `g` (`floodVec ρ σ c g Z ω i = ρ min(1, c/‖g‖) g i + σ Z i ω`, the
+matrix flood of the gradient vector) is a biased, scaled gradient plus zero-mean noise:
 
-* `E[out] = ρ g` (coordinatewise),
-* the bias is `E[out] - g = (ρ - 1) g`,
-* for `0 ≤ ρ ≤ 1` its Euclidean norm is `‖E[out] - g‖ = (1 - ρ) ‖g‖`.
+* `biased_gradient_decomposition`: `E out = k g` with `k = ρ min(1, c/‖g‖)`, bias `(k − 1) g`,
+  and `‖E out − g‖ = (1 − k) ‖g‖` for `0 ≤ ρ ≤ 1`, `c ≥ 0`.
 
-So SGD on flooded gradients is SGD on the true gradient with the step scaled by `ρ`, plus
-zero-mean noise (the convergence statement of the paper then follows from the standard analysis
-of SGD with unbiased noise, which is not re-proved here).
+Convergence, in the form of the standard biased-SGD analysis (Ajalloeian & Stich 2020, Thm 2,
+specialised to this multiplicative bias and Gaussian noise):
 
-Arbitrary probability space, explicit hypotheses (integrability and zero mean of the noise).
-Euclidean norms are explicit: `Real.sqrt (∑ i, x i ^ 2)`.
+* `biased_sgd_descent_step`: if `f` satisfies the descent inequality of an `L`-smooth function
+  (`f y ≤ f x + ⟨∇f x, y − x⟩ + L/2 ‖y − x‖²`, an explicit hypothesis), one step
+  `x ↦ x − η out` satisfies
+  `E f(x − η out) ≤ f x − η k ‖∇f x‖² + L/2 η² (k² ‖∇f x‖² + d σ²)`;
+* `biased_sgd_bound`: telescoping these steps (with `L η k_t ≤ 1`),
+  `η/2 ∑_{t<T} k_t E‖∇f(x_t)‖² ≤ f(x₀) − f* + T · L/2 η² d σ²`.
+
+The step from the first to the second (taking the expectation over `x_t` of the one-step bound,
+which holds for every fixed `x_t` because the step's noise is fresh) is the tower property; it is
+not formalised: `biased_sgd_bound` takes the per-step inequality of the expectations as its
+hypothesis `hstep`.
+
 Written without a Lean toolchain at hand: not machine-checked where it was written.
 -/
 
@@ -27,57 +37,189 @@ namespace Aegis
 
 variable {Ω : Type*} [MeasurableSpace Ω] {μ : Measure Ω} [IsProbabilityMeasure μ]
 
-/-- **Proposition 1.** For `out = ρ g + n` with integrable zero-mean noise:
-(1) `E[out i] = ρ g i`; (2) the bias is `E[out i] - g i = (ρ - 1) g i`; (3) if `0 ≤ ρ ≤ 1`,
-`‖E[out] - g‖ = (1 - ρ) ‖g‖`. -/
-theorem biased_gradient_decomposition {d : ℕ} (ρ : ℝ) (g : Fin d → ℝ) (n : Fin d → Ω → ℝ)
-    (hn : ∀ i, Integrable (n i) μ) (hmean : ∀ i, ∫ ω, n i ω ∂μ = 0) :
-    (∀ i, ∫ ω, (ρ * g i + n i ω) ∂μ = ρ * g i) ∧
-    (∀ i, (∫ ω, (ρ * g i + n i ω) ∂μ) - g i = (ρ - 1) * g i) ∧
-    (0 ≤ ρ → ρ ≤ 1 →
-      Real.sqrt (∑ i, ((∫ ω, (ρ * g i + n i ω) ∂μ) - g i) ^ 2)
-        = (1 - ρ) * Real.sqrt (∑ i, g i ^ 2)) := by
-  have hE : ∀ i, ∫ ω, (ρ * g i + n i ω) ∂μ = ρ * g i :=
-    fun i => flood_coord_mean (μ := μ) (ρ * g i) (n i) (hn i) (hmean i)
-  have hB : ∀ i, (∫ ω, (ρ * g i + n i ω) ∂μ) - g i = (ρ - 1) * g i := by
+/-- **Proposition 1 (bias decomposition).** For the flooded gradient `out = k g + σ Z`,
+`k = ρ min(1, c/‖g‖)`: (1) `E out i = k g i`; (2) the bias is `E out i − g i = (k − 1) g i`;
+(3) for `0 ≤ ρ ≤ 1` and `c ≥ 0`, `‖E out − g‖ = (1 − k) ‖g‖`. -/
+theorem biased_gradient_decomposition {d : ℕ} (ρ σ c : ℝ) (g : Fin d → ℝ)
+    (Z : Fin d → Ω → ℝ) (hZ : ∀ i, IsStdNormal μ (Z i)) :
+    (∀ i, ∫ ω, floodVec ρ σ c g Z ω i ∂μ = ρ * clipScale c (l2norm g) * g i) ∧
+    (∀ i, (∫ ω, floodVec ρ σ c g Z ω i ∂μ) - g i = (ρ * clipScale c (l2norm g) - 1) * g i) ∧
+    (0 ≤ ρ → ρ ≤ 1 → 0 ≤ c →
+      l2norm (fun i => (∫ ω, floodVec ρ σ c g Z ω i ∂μ) - g i)
+        = (1 - ρ * clipScale c (l2norm g)) * l2norm g) := by
+  have hE : ∀ i, ∫ ω, floodVec ρ σ c g Z ω i ∂μ = ρ * clipScale c (l2norm g) * g i :=
+    fun i => coord_mean (hZ i) (ρ * clipScale c (l2norm g) * g i) σ
+  have hB : ∀ i, (∫ ω, floodVec ρ σ c g Z ω i ∂μ) - g i
+      = (ρ * clipScale c (l2norm g) - 1) * g i := by
     intro i
-    have h : ∫ ω, (ρ * g i + n i ω) ∂μ = ρ * g i := hE i
-    first
-      | linarith [h]
-      | linear_combination h
-      | (rw [h]; ring)
+    rw [hE i]
+    ring
   refine ⟨hE, hB, ?_⟩
-  intro hρ0 hρ1
-  have h1ρ : 0 ≤ 1 - ρ := by linarith
-  have hterm : ∀ i, ((∫ ω, (ρ * g i + n i ω) ∂μ) - g i) ^ 2
-      = ((1 - ρ) * (1 - ρ)) * g i ^ 2 := by
-    intro i
-    first
-      | (rw [hB i]; ring)
-      | linear_combination ((∫ ω, (ρ * g i + n i ω) ∂μ) - g i + (ρ - 1) * g i) * hB i
-  have hsum : ∑ i, ((∫ ω, (ρ * g i + n i ω) ∂μ) - g i) ^ 2
-      = ∑ i, ((1 - ρ) * (1 - ρ)) * g i ^ 2 :=
-    Finset.sum_congr rfl (fun i _ => hterm i)
-  have hfac : ∑ i, ((1 - ρ) * (1 - ρ)) * g i ^ 2 = ((1 - ρ) * (1 - ρ)) * (∑ i, g i ^ 2) := by
-    first
-      | exact (Finset.mul_sum Finset.univ (fun i => g i ^ 2) ((1 - ρ) * (1 - ρ))).symm
-      | rw [Finset.mul_sum]
-      | (simp [Finset.mul_sum]; done)
-  have hsqrt : Real.sqrt (((1 - ρ) * (1 - ρ)) * (∑ i, g i ^ 2))
-      = (1 - ρ) * Real.sqrt (∑ i, g i ^ 2) := by
-    rw [Real.sqrt_mul (mul_nonneg h1ρ h1ρ), Real.sqrt_mul_self h1ρ]
-  rw [hsum, hfac, hsqrt]
+  intro hρ0 hρ1 hc
+  have hs0 : 0 ≤ clipScale c (l2norm g) := clipScale_nonneg c _ hc (l2norm_nonneg g)
+  have hs1 : clipScale c (l2norm g) ≤ 1 := clipScale_le_one c _ hc
+  have hk1 : ρ * clipScale c (l2norm g) ≤ 1 := by
+    have h := mul_le_mul_of_nonneg_right hρ1 hs0
+    linarith [h]
+  have h1k : 0 ≤ 1 - ρ * clipScale c (l2norm g) := by linarith
+  have hfun : (fun i => (∫ ω, floodVec ρ σ c g Z ω i ∂μ) - g i)
+      = fun i => (ρ * clipScale c (l2norm g) - 1) * g i := funext hB
+  rw [hfun]
+  calc l2norm (fun i => (ρ * clipScale c (l2norm g) - 1) * g i)
+      = Real.sqrt (sqNorm (fun i => (ρ * clipScale c (l2norm g) - 1) * g i)) := rfl
+    _ = Real.sqrt (((1 - ρ * clipScale c (l2norm g)) * l2norm g) ^ 2) := by
+        rw [sqNorm_smul, ← sq_l2norm g]
+        first
+          | (congr 1; ring)
+          | ring_nf
+    _ = (1 - ρ * clipScale c (l2norm g)) * l2norm g :=
+        Real.sqrt_sq (mul_nonneg h1k (l2norm_nonneg g))
 
-/-- Proposition 1 in the flood's own parameters: noise `σ z` with `E z = 0` (any `σ`). -/
-theorem biased_gradient_mean {d : ℕ} (ρ σ : ℝ) (g : Fin d → ℝ) (z : Fin d → Ω → ℝ)
-    (hz : ∀ i, Integrable (z i) μ) (hmean : ∀ i, ∫ ω, z i ω ∂μ = 0) (i : Fin d) :
-    ∫ ω, (ρ * g i + σ * z i ω) ∂μ = ρ * g i := by
-  have hX : Integrable (fun ω => σ * z i ω) μ := (hz i).const_mul σ
-  have hXm : ∫ ω, σ * z i ω ∂μ = 0 := by
-    have h : ∫ ω, σ * z i ω ∂μ = σ * ∫ ω, z i ω ∂μ := flood_integral_cmul (μ := μ) σ (z i)
-    first
-      | (rw [h, hmean i]; ring)
-      | (simp [h, hmean i]; done)
-  exact flood_coord_mean (μ := μ) (ρ * g i) (fun ω => σ * z i ω) hX hXm
+/-- The descent step for a flood with any deterministic coefficient `k`. -/
+theorem descent_step_coef {d : ℕ} (f : (Fin d → ℝ) → ℝ) (gradf : (Fin d → ℝ) → Fin d → ℝ)
+    (L : ℝ)
+    (hsmooth : ∀ x y : Fin d → ℝ,
+      f y ≤ f x + ∑ i, gradf x i * (y i - x i) + L / 2 * ∑ i, (y i - x i) ^ 2)
+    (k σ η : ℝ) (Z : Fin d → Ω → ℝ) (hZ : ∀ i, IsStdNormal μ (Z i)) (x : Fin d → ℝ)
+    (hint : Integrable (fun ω => f (fun i => x i - η * (k * gradf x i + σ * Z i ω))) μ) :
+    ∫ ω, f (fun i => x i - η * (k * gradf x i + σ * Z i ω)) ∂μ
+      ≤ f x - η * k * sqNorm (gradf x)
+        + L / 2 * η ^ 2 * (k ^ 2 * sqNorm (gradf x) + (d : ℝ) * σ ^ 2) := by
+  -- the descent inequality at every ω
+  have hpt : ∀ ω, f (fun i => x i - η * (k * gradf x i + σ * Z i ω))
+      ≤ f x - η * ∑ i, gradf x i * (k * gradf x i + σ * Z i ω)
+        + L / 2 * η ^ 2 * ∑ i, (k * gradf x i + σ * Z i ω) ^ 2 := by
+    intro ω
+    have h' : f (fun i => x i - η * (k * gradf x i + σ * Z i ω))
+        ≤ f x + ∑ i, gradf x i * ((x i - η * (k * gradf x i + σ * Z i ω)) - x i)
+          + L / 2 * ∑ i, ((x i - η * (k * gradf x i + σ * Z i ω)) - x i) ^ 2 :=
+      hsmooth x (fun i => x i - η * (k * gradf x i + σ * Z i ω))
+    have h1 : ∑ i, gradf x i * ((x i - η * (k * gradf x i + σ * Z i ω)) - x i)
+        = -η * ∑ i, gradf x i * (k * gradf x i + σ * Z i ω) := by
+      rw [Finset.mul_sum]
+      exact Finset.sum_congr rfl (fun i _ => by ring)
+    have h2 : ∑ i, ((x i - η * (k * gradf x i + σ * Z i ω)) - x i) ^ 2
+        = η ^ 2 * ∑ i, (k * gradf x i + σ * Z i ω) ^ 2 := by
+      rw [Finset.mul_sum]
+      exact Finset.sum_congr rfl (fun i _ => by ring)
+    rw [h1, h2] at h'
+    linarith [h']
+  -- integrability of the two random sums
+  have hS1 : Integrable (fun ω => ∑ i, gradf x i * (k * gradf x i + σ * Z i ω)) μ :=
+    integrable_finset_sum Finset.univ
+      (fun i _ => (coord_integrable (hZ i) (k * gradf x i) σ).const_mul (gradf x i))
+  have hS2 : Integrable (fun ω => ∑ i, (k * gradf x i + σ * Z i ω) ^ 2) μ :=
+    vec_integrable_sq (fun i => k * gradf x i) σ Z hZ
+  have hA : Integrable (fun ω => f x - η * ∑ i, gradf x i * (k * gradf x i + σ * Z i ω)) μ :=
+    (integrable_const (f x)).sub (hS1.const_mul η)
+  have hR : Integrable (fun ω => f x - η * ∑ i, gradf x i * (k * gradf x i + σ * Z i ω)
+      + L / 2 * η ^ 2 * ∑ i, (k * gradf x i + σ * Z i ω) ^ 2) μ :=
+    hA.add (hS2.const_mul (L / 2 * η ^ 2))
+  have hmono : ∫ ω, f (fun i => x i - η * (k * gradf x i + σ * Z i ω)) ∂μ
+      ≤ ∫ ω, (f x - η * ∑ i, gradf x i * (k * gradf x i + σ * Z i ω)
+        + L / 2 * η ^ 2 * ∑ i, (k * gradf x i + σ * Z i ω) ^ 2) ∂μ :=
+    integral_mono hint hR hpt
+  -- the expectation of the right-hand side
+  have e1 : ∫ ω, (f x - η * ∑ i, gradf x i * (k * gradf x i + σ * Z i ω)
+        + L / 2 * η ^ 2 * ∑ i, (k * gradf x i + σ * Z i ω) ^ 2) ∂μ
+      = ∫ ω, (f x - η * ∑ i, gradf x i * (k * gradf x i + σ * Z i ω)) ∂μ
+        + ∫ ω, L / 2 * η ^ 2 * ∑ i, (k * gradf x i + σ * Z i ω) ^ 2 ∂μ :=
+    integral_add hA (hS2.const_mul (L / 2 * η ^ 2))
+  have e2 : ∫ ω, (f x - η * ∑ i, gradf x i * (k * gradf x i + σ * Z i ω)) ∂μ
+      = ∫ _ω, f x ∂μ - ∫ ω, η * ∑ i, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ :=
+    integral_sub (integrable_const (f x)) (hS1.const_mul η)
+  have e3 : ∫ _ω, f x ∂μ = f x := integral_const_prob (μ := μ) (f x)
+  have e4 : ∫ ω, η * ∑ i, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ
+      = η * ∫ ω, ∑ i, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ :=
+    integral_cmul (μ := μ) η (fun ω => ∑ i, gradf x i * (k * gradf x i + σ * Z i ω))
+  have e5 : ∫ ω, L / 2 * η ^ 2 * ∑ i, (k * gradf x i + σ * Z i ω) ^ 2 ∂μ
+      = L / 2 * η ^ 2 * ∫ ω, ∑ i, (k * gradf x i + σ * Z i ω) ^ 2 ∂μ :=
+    integral_cmul (μ := μ) (L / 2 * η ^ 2) (fun ω => ∑ i, (k * gradf x i + σ * Z i ω) ^ 2)
+  have e6 : ∫ ω, ∑ i, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ = k * sqNorm (gradf x) := by
+    have hint1 : ∀ i ∈ (Finset.univ : Finset (Fin d)),
+        Integrable (fun ω => gradf x i * (k * gradf x i + σ * Z i ω)) μ :=
+      fun i _ => (coord_integrable (hZ i) (k * gradf x i) σ).const_mul (gradf x i)
+    have hswap : ∫ ω, ∑ i, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ
+        = ∑ i, ∫ ω, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ :=
+      integral_finset_sum Finset.univ hint1
+    have hterm : ∀ i, ∫ ω, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ
+        = gradf x i * (k * gradf x i) := by
+      intro i
+      have hc : ∫ ω, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ
+          = gradf x i * ∫ ω, (k * gradf x i + σ * Z i ω) ∂μ :=
+        integral_cmul (μ := μ) (gradf x i) (fun ω => k * gradf x i + σ * Z i ω)
+      rw [hc, coord_mean (hZ i) (k * gradf x i) σ]
+    have hsum : ∑ i, ∫ ω, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ
+        = ∑ i, gradf x i * (k * gradf x i) :=
+      Finset.sum_congr rfl (fun i _ => hterm i)
+    have hfac : ∑ i, gradf x i * (k * gradf x i) = k * sqNorm (gradf x) := by
+      unfold sqNorm
+      rw [Finset.mul_sum]
+      exact Finset.sum_congr rfl (fun i _ => by ring)
+    rw [hswap, hsum, hfac]
+  have e7 : ∫ ω, ∑ i, (k * gradf x i + σ * Z i ω) ^ 2 ∂μ
+      = k ^ 2 * sqNorm (gradf x) + (d : ℝ) * σ ^ 2 := by
+    have h : ∫ ω, ∑ i, (k * gradf x i + σ * Z i ω) ^ 2 ∂μ
+        = (∑ i, (k * gradf x i) ^ 2) + (d : ℝ) * σ ^ 2 :=
+      vec_second_moment (fun i => k * gradf x i) σ Z hZ
+    have hs : ∑ i, (k * gradf x i) ^ 2 = k ^ 2 * sqNorm (gradf x) := sqNorm_smul k (gradf x)
+    rw [h, hs]
+  rw [e1, e2, e3, e4, e5, e6, e7] at hmono
+  linarith [hmono]
+
+/-- **Proposition 1 (one descent step).** Let `f` satisfy the descent inequality of an
+`L`-smooth function with gradient `gradf`. One SGD step on the flooded gradient,
+`x ↦ x − η out` with `out = floodVec ρ σ c (∇f x) Z`, satisfies
+`E f(x − η out) ≤ f x − η k ‖∇f x‖² + L/2 η² (k² ‖∇f x‖² + d σ²)`, `k = ρ min(1, c/‖∇f x‖)`. -/
+theorem biased_sgd_descent_step {d : ℕ} (f : (Fin d → ℝ) → ℝ)
+    (gradf : (Fin d → ℝ) → Fin d → ℝ) (L : ℝ)
+    (hsmooth : ∀ x y : Fin d → ℝ,
+      f y ≤ f x + ∑ i, gradf x i * (y i - x i) + L / 2 * ∑ i, (y i - x i) ^ 2)
+    (ρ σ c η : ℝ) (Z : Fin d → Ω → ℝ) (hZ : ∀ i, IsStdNormal μ (Z i)) (x : Fin d → ℝ)
+    (hint : Integrable (fun ω => f (fun i => x i - η * floodVec ρ σ c (gradf x) Z ω i)) μ) :
+    ∫ ω, f (fun i => x i - η * floodVec ρ σ c (gradf x) Z ω i) ∂μ
+      ≤ f x - η * (ρ * clipScale c (l2norm (gradf x))) * sqNorm (gradf x)
+        + L / 2 * η ^ 2 * ((ρ * clipScale c (l2norm (gradf x))) ^ 2 * sqNorm (gradf x)
+          + (d : ℝ) * σ ^ 2) :=
+  descent_step_coef f gradf L hsmooth (ρ * clipScale c (l2norm (gradf x))) σ η Z hZ x hint
+
+/-- Telescoping a descent recursion `a (t+1) ≤ a t − α g t + β`. -/
+theorem descent_telescope (a g : ℕ → ℝ) (α β : ℝ)
+    (hstep : ∀ t, a (t + 1) ≤ a t - α * g t + β) :
+    ∀ T : ℕ, α * ∑ t ∈ Finset.range T, g t ≤ a 0 - a T + (T : ℝ) * β := by
+  intro T
+  induction T with
+  | zero => simp
+  | succ T ih =>
+    rw [Finset.sum_range_succ]
+    have hT := hstep T
+    push_cast
+    linarith [ih, hT]
+
+/-- **Proposition 1 (convergence bound).** Let `F t = E f(x_t)`, `Gn t = E ‖∇f(x_t)‖²` and
+`k t ∈ [0, 1/(L η)]` the flood's signal coefficient at step `t`. If every step satisfies the
+expected descent bound of `biased_sgd_descent_step` and `f* ≤ F T`, then
+`η/2 ∑_{t<T} k t · Gn t ≤ F 0 − f* + T · L/2 η² d σ²`. With `k t = ρ` (no clip) this is
+`(1/T) ∑ E‖∇f(x_t)‖² ≤ 2 (f(x₀) − f*) / (η ρ T) + L η d σ² / ρ`. -/
+theorem biased_sgd_bound (T d : ℕ) (F Gn k : ℕ → ℝ) (η L σ fstar : ℝ) (hη : 0 ≤ η)
+    (hk : ∀ t, 0 ≤ k t) (hkL : ∀ t, L * η * k t ≤ 1) (hG : ∀ t, 0 ≤ Gn t)
+    (hstep : ∀ t, F (t + 1)
+      ≤ F t - η * k t * Gn t + L / 2 * η ^ 2 * (k t ^ 2 * Gn t + (d : ℝ) * σ ^ 2))
+    (hlow : fstar ≤ F T) :
+    η / 2 * ∑ t ∈ Finset.range T, k t * Gn t
+      ≤ F 0 - fstar + (T : ℝ) * (L / 2 * η ^ 2 * ((d : ℝ) * σ ^ 2)) := by
+  have hhalf : ∀ t, F (t + 1)
+      ≤ F t - η / 2 * (k t * Gn t) + L / 2 * η ^ 2 * ((d : ℝ) * σ ^ 2) := by
+    intro t
+    have h0 : 0 ≤ η * k t * Gn t := mul_nonneg (mul_nonneg hη (hk t)) (hG t)
+    have hp : η * k t * Gn t * (L * η * k t) ≤ η * k t * Gn t * 1 :=
+      mul_le_mul_of_nonneg_left (hkL t) h0
+    have hs := hstep t
+    nlinarith [hp, hs]
+  have htel := descent_telescope F (fun t => k t * Gn t) (η / 2)
+    (L / 2 * η ^ 2 * ((d : ℝ) * σ ^ 2)) hhalf T
+  have htel' : η / 2 * ∑ t ∈ Finset.range T, k t * Gn t
+      ≤ F 0 - F T + (T : ℝ) * (L / 2 * η ^ 2 * ((d : ℝ) * σ ^ 2)) := htel
+  linarith [htel', hlow]
 
 end Aegis
