@@ -287,7 +287,7 @@ def test_shipped_noise_has_the_model_moments():
     _, counts = torch.unique(z, return_counts=True)
     assert counts.max().item() <= 4  # fp32 collisions of a continuous law: a handful at most
     with pytest.raises(AssertionError):  # the same data rejects a wrong second moment
-        assert abs(z.pow(2).mean().item() - 1.01) <= Z_TOL * math.sqrt(2 / n)
+        assert abs(z.pow(2).mean().item() - 1.05) <= Z_TOL * math.sqrt(2 / n)
 
 
 def test_mean_check_can_fail():
