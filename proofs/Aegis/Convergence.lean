@@ -131,10 +131,10 @@ theorem descent_step_coef {d : ℕ} (f : (Fin d → ℝ) → ℝ) (gradf : (Fin 
   have e3 : ∫ _ω, f x ∂μ = f x := integral_const_prob (μ := μ) (f x)
   have e4 : ∫ ω, η * ∑ i, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ
       = η * ∫ ω, ∑ i, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ :=
-    integral_cmul (μ := μ) η (fun ω => ∑ i, gradf x i * (k * gradf x i + σ * Z i ω))
+    flood_integral_cmul (μ := μ) η (fun ω => ∑ i, gradf x i * (k * gradf x i + σ * Z i ω))
   have e5 : ∫ ω, L / 2 * η ^ 2 * ∑ i, (k * gradf x i + σ * Z i ω) ^ 2 ∂μ
       = L / 2 * η ^ 2 * ∫ ω, ∑ i, (k * gradf x i + σ * Z i ω) ^ 2 ∂μ :=
-    integral_cmul (μ := μ) (L / 2 * η ^ 2) (fun ω => ∑ i, (k * gradf x i + σ * Z i ω) ^ 2)
+    flood_integral_cmul (μ := μ) (L / 2 * η ^ 2) (fun ω => ∑ i, (k * gradf x i + σ * Z i ω) ^ 2)
   have e6 : ∫ ω, ∑ i, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ = k * sqNorm (gradf x) := by
     have hint1 : ∀ i ∈ (Finset.univ : Finset (Fin d)),
         Integrable (fun ω => gradf x i * (k * gradf x i + σ * Z i ω)) μ :=
@@ -147,7 +147,7 @@ theorem descent_step_coef {d : ℕ} (f : (Fin d → ℝ) → ℝ) (gradf : (Fin 
       intro i
       have hc : ∫ ω, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ
           = gradf x i * ∫ ω, (k * gradf x i + σ * Z i ω) ∂μ :=
-        integral_cmul (μ := μ) (gradf x i) (fun ω => k * gradf x i + σ * Z i ω)
+        flood_integral_cmul (μ := μ) (gradf x i) (fun ω => k * gradf x i + σ * Z i ω)
       rw [hc, coord_mean (hZ i) (k * gradf x i) σ]
     have hsum : ∑ i, ∫ ω, gradf x i * (k * gradf x i + σ * Z i ω) ∂μ
         = ∑ i, gradf x i * (k * gradf x i) :=

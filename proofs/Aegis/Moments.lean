@@ -32,7 +32,7 @@ theorem integral_const_prob (c : ℝ) : ∫ _ω, c ∂μ = c := by
     | (simp [integral_const, measure_univ]; done)
 
 /-- Pulling a real constant out of an integral (version-robust wrapper). -/
-theorem integral_cmul (c : ℝ) (f : Ω → ℝ) : ∫ ω, c * f ω ∂μ = c * ∫ ω, f ω ∂μ := by
+theorem flood_integral_cmul (c : ℝ) (f : Ω → ℝ) : ∫ ω, c * f ω ∂μ = c * ∫ ω, f ω ∂μ := by
   first
     | exact integral_const_mul c f
     | exact integral_mul_left c f
@@ -62,7 +62,7 @@ theorem coord_mean {X : Ω → ℝ} (hX : IsStdNormal μ X) (a σ : ℝ) :
   have h1 : ∫ ω, (a + σ * X ω) ∂μ = ∫ _ω, a ∂μ + ∫ ω, σ * X ω ∂μ :=
     integral_add (integrable_const a) (hX.integrable.const_mul σ)
   have h2 : ∫ _ω, a ∂μ = a := integral_const_prob (μ := μ) a
-  have h3 : ∫ ω, σ * X ω ∂μ = σ * ∫ ω, X ω ∂μ := integral_cmul (μ := μ) σ X
+  have h3 : ∫ ω, σ * X ω ∂μ = σ * ∫ ω, X ω ∂μ := flood_integral_cmul (μ := μ) σ X
   have h4 : σ * ∫ ω, X ω ∂μ = 0 := by
     rw [hX.integral_eq_zero]
     ring
@@ -90,7 +90,7 @@ theorem coord_second_moment {X : Ω → ℝ} (hX : IsStdNormal μ X) (a σ : ℝ
   have h2 : ∫ ω, (a ^ 2 + (2 * a * σ) * X ω) ∂μ = a ^ 2 :=
     coord_mean (μ := μ) hX (a ^ 2) (2 * a * σ)
   have h3 : ∫ ω, σ ^ 2 * X ω ^ 2 ∂μ = σ ^ 2 * ∫ ω, X ω ^ 2 ∂μ :=
-    integral_cmul (μ := μ) (σ ^ 2) (fun ω => X ω ^ 2)
+    flood_integral_cmul (μ := μ) (σ ^ 2) (fun ω => X ω ^ 2)
   have h4 : σ ^ 2 * ∫ ω, X ω ^ 2 ∂μ = σ ^ 2 := by
     rw [hX.integral_sq_eq_one]
     ring
