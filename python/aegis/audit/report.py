@@ -1,66 +1,221 @@
-"""The audit's outputs: report.json, a privacy/utility PNG and an HTML page of reconstructions."""
+"""The audit's outputs: report.json (rewritten after every defence), a privacy/utility PNG and an HTML page.
+
+:class:`ReportWriter` owns the output folder: each save writes ``report.json`` atomically (temporary
+file, then rename); if the folder stops being writable mid-run, the writer moves to a fresh temporary
+folder and says where, so what finished is never lost.
+"""
 from __future__ import annotations
 
 import html
 import json
+import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-BROKEN_ATTACK = 0.05  # ROUGE-1 at or below this: the attack recovers nothing usable (the paper's bar)
+from .records import FLOOR, MARGIN, AttackRecord, AuditReport
+
+BROKEN_ATTACK = FLOOR  # ROUGE-1 at or below this: the attack recovers nothing usable (the paper's bar)
+TEXT_METRIC = "rouge1"
 
 
-def write_json(report: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(report, indent=1))
+# -- report.json ---------------------------------------------------------------------------------------------------
 
 
-def worst_rouge1(results: list[dict], model: str, defence: str) -> float:
-    """The strongest attack's ROUGE-1 against one defence: what a user should plan for."""
-    scores = [r["rouge1"] for r in results if r["model"] == model and r["defence"] == defence]
-    return max(scores) if scores else float("nan")
+def write_json(report: AuditReport | dict[str, Any], path: Path) -> None:
+    data = report.to_json() if isinstance(report, AuditReport) else report
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    """ROUGE-1 of the strongest attack against utility, one point per defence, one panel per model.
+class ReportWriter:
+    """Writes the report into ``folder``; falls back to a temporary folder when ``folder`` fails."""
 
-    A legend names the points (text labels collide: undefended and a useless defence sit on top of
-    each other); AEGIS presets are stars."""
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.failure: str | None = None  # why the requested folder failed, if it did
+
+    def _fallback(self, err: OSError) -> None:
+        if self.failure is None:
+            self.failure = f"{self.folder}: {err.strerror or type(err).__name__}"
+            self.folder = Path(tempfile.mkdtemp(prefix="aegis-report-"))
+
+    def _write(self, write) -> Path:
+        for _ in range(2):
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                return write(self.folder)
+            except OSError as err:
+                if self.failure is not None:
+                    raise
+                self._fallback(err)
+        raise AssertionError("unreachable")
+
+    def save(self, report: AuditReport) -> Path:
+        return self._write(lambda folder: (write_json(report, folder / "report.json"), folder / "report.json")[1])
+
+    def finish(self, report: AuditReport) -> list[Path]:
+        """report.json, privacy_utility.png and report.html."""
+        def write(folder: Path) -> list[Path]:
+            write_json(report, folder / "report.json")
+            plot(report, folder / "privacy_utility.png")
+            write_html(report, folder / "report.html", plot_name="privacy_utility.png")
+            return [folder / "report.json", folder / "privacy_utility.png", folder / "report.html"]
+
+        return self._write(write)
+
+
+# -- helpers -------------------------------------------------------------------------------------------------------
+
+
+def worst_text(report: AuditReport, model: str, defence: str) -> float:
+    """The strongest reconstruction attack on its worst axis (ROUGE-1 or token recall)."""
+    rows = [r.privacy for r in report.results if (r.model, r.defence) == (model, defence) and r.metric == TEXT_METRIC]
+    return max(rows) if rows else float("nan")
+
+
+def worst_identification(report: AuditReport, model: str, defence: str) -> tuple[float, str | None]:
+    """The strongest label / 1-of-N attack as its advantage over chance, (acc - null) / (1 - null)."""
+    best, name = float("nan"), None
+    for r in report.results:
+        if (r.model, r.defence) == (model, defence) and r.metric == "accuracy":
+            adv = (r.score - r.null) / max(1e-9, 1 - r.null)
+            if math.isnan(best) or adv > best:
+                best, name = adv, r.attack
+    return best, name
+
+
+def utility_text(u) -> str:
+    if u is None or u.value is None or (isinstance(u.value, float) and math.isnan(u.value)):
+        return "–"
+    if u.metric == "perplexity":
+        return f"ppl {u.value:.0f}" if u.value >= 100 else f"ppl {u.value:.1f}"
+    return f"acc {u.value:.2f}"
+
+
+# -- the plot ------------------------------------------------------------------------------------------------------
+
+# Twelve hues that stay apart (and from the reference lines' greys).
+PALETTE = ("#000000", "#1f77b4", "#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+           "#bcbd22", "#7f7f7f", "#aec7e8", "#98df8a", "#ff9896", "#c5b0d5")
+MARKERS = ("o", "*", "P", "X", "s", "D", "^", "v", "<", ">", "h", "p", "8", "d", "H")
+
+
+def _dodge(points: list[tuple[float, float]], log_x: bool, span: tuple[float, float]) -> list[float]:
+    """Vertical offsets so that markers at (nearly) the same place stay visible side by side."""
+    offsets = [0.0] * len(points)
+    lo, hi = span
+    for i, (x, y) in enumerate(points):
+        for j in range(i):
+            xi = math.log10(max(x, 1e-12)) if log_x else x
+            xj = math.log10(max(points[j][0], 1e-12)) if log_x else points[j][0]
+            width = (math.log10(max(hi, 1e-12)) - math.log10(max(lo, 1e-12))) if log_x else (hi - lo)
+            if abs(xi - xj) <= 0.04 * max(width, 1e-9) and abs((y + offsets[i]) - (points[j][1] + offsets[j])) < 0.035:
+                offsets[i] = offsets[j] + 0.035
+    return offsets
+
+
+def plot(report: AuditReport, path: Path) -> None:
+    """Per model: reconstruction (worst of ROUGE-1 and token recall over the text attacks) and
+    identification (labels / fingerprint advantage over chance) against utility, one colour and marker
+    per defence, with the undefended, untrained-model and chance references."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    models = sorted({u["model"] for u in report["utility"]})
-    fig, axes = plt.subplots(1, len(models), figsize=(7.5 * len(models), 4.8), squeeze=False)
-    markers = "osD^vPXh<>"
-    for ax, model in zip(axes[0], models):
-        utility = [u for u in report["utility"] if u["model"] == model]
-        metric = "perplexity" if "perplexity" in utility[0] else "accuracy"
-        others = 0
-        for i, u in enumerate(utility):
-            y = worst_rouge1(report["results"], model, u["defence"])
-            if u["defence"].startswith("aegis"):
-                style = {"marker": "*", "s": 220, "color": f"C{2 + 4 * (i % 2)}", "edgecolors": "black", "zorder": 4}
+    models = report.models()
+    if not models:
+        return
+    defences = list(dict.fromkeys(u.defence for u in report.utility))
+    style = {d: (PALETTE[i % len(PALETTE)], MARKERS[i % len(MARKERS)]) for i, d in enumerate(defences)}
+    fig, axes = plt.subplots(len(models), 2, figsize=(15, 5.2 * len(models)), squeeze=False)
+    for row, model in enumerate(models):
+        utility = [u for u in report.utility if u.model == model]
+        metric = utility[0].metric
+        xs = [u.value for u in utility if u.value is not None and math.isfinite(u.value)]
+        refs = [utility[0].before] + [u.value for u in utility if u.defence == "none"]
+        span = (min(xs + refs), max(xs + refs)) if xs else (0.0, 1.0)
+        verdict = {v.defence: v for v in report.verdicts if v.model == model}
+        for col, (title, ylabel) in enumerate((
+            ("reconstruction", "worst of ROUGE-1 and token recall\n(strongest text attack; lower is more private)"),
+            ("identification", "labels / 1-of-N fingerprint:\naccuracy above chance, (acc − chance) / (1 − chance)"),
+        )):
+            ax = axes[row][col]
+            points, keep = [], []
+            for u in utility:
+                if col == 0:
+                    y = worst_text(report, model, u.defence)
+                else:
+                    y, _ = worst_identification(report, model, u.defence)
+                if y is None or math.isnan(y) or u.value is None or not math.isfinite(u.value):
+                    continue
+                points.append((u.value, y))
+                keep.append(u)
+            offsets = _dodge(points, metric == "perplexity", span)
+            for (x, y), dy, u in zip(points, offsets, keep):
+                colour, marker = style[u.defence]
+                v = verdict.get(u.defence)
+                leaking = v is not None and not v.holds
+                ax.scatter(x, y + dy, marker=marker, s=150 if marker == "*" else 80, facecolors=colour,
+                           edgecolors="red" if leaking else "white", linewidths=1.8 if leaking else 0.8, zorder=4)
+            ax.axhline(BROKEN_ATTACK if col == 0 else MARGIN, color="tab:red", linestyle="--", linewidth=1)
+            before = utility[0].before
+            undefended = next((u.value for u in utility if u.defence == "none"), None)
+            ax.axvline(before, color="0.35", linestyle=":", linewidth=1.2)
+            if undefended is not None and math.isfinite(undefended):
+                ax.axvline(undefended, color="0.55", linestyle="--", linewidth=1.0)
+            chance = utility[0].chance
+            if chance is not None:
+                ax.axvline(chance, color="#8c564b", linestyle="-.", linewidth=1.0)
+            if metric == "perplexity":
+                ax.set_xscale("log")
+                ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+                ax.xaxis.set_minor_formatter(NullFormatter())
+                ax.set_xlabel("validation perplexity (lower is better)")
             else:
-                style = {"marker": markers[others % len(markers)], "s": 70, "color": "tab:gray" if u["defence"] == "none"
-                         else f"C{[0, 1, 3, 4, 5, 7, 8, 9][others % 8]}", "zorder": 3, "alpha": 0.85}
-                others += 1
-            ax.scatter(u[metric], y, label=u["defence"], **style)
-        ax.axhline(BROKEN_ATTACK, color="tab:red", linestyle="--", linewidth=1, label="attack broken (ROUGE-1 ≤ 0.05)")
-        if metric == "perplexity":
-            ax.set_xscale("log")
-            ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-            ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel(f"validation {metric}" + (" (lower is better)" if metric == "perplexity" else " (higher is better)"))
-        ax.set_ylabel("ROUGE-1 of the strongest attack (lower is more private)")
-        ax.set_ylim(-0.04, 1.06)
-        ax.set_title(f"{model}: privacy vs utility")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+                ax.set_xlabel("validation accuracy (higher is better)")
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(-0.05, 1.1)
+            ax.set_title(f"{model}: {title} vs utility")
+            ax.grid(alpha=0.3)
+        handles = []
+        for u in utility:
+            colour, marker = style[u.defence]
+            v = verdict.get(u.defence)
+            label = u.defence + ("" if v is None else ("  holds" if v.holds else "  LEAKS"))
+            handles.append(Line2D([], [], linestyle="", marker=marker, markersize=11 if marker == "*" else 8,
+                                  markerfacecolor=colour, markeredgecolor="red" if v is not None and not v.holds else "white",
+                                  markeredgewidth=1.8 if v is not None and not v.holds else 0.8, label=label))
+        handles += [
+            Line2D([], [], color="tab:red", linestyle="--", label="leak threshold (0.05)"),
+            Line2D([], [], color="0.35", linestyle=":", label=f"untrained model ({utility_text(_Ref(metric, utility[0].before))})"),
+        ]
+        undefended = next((u for u in utility if u.defence == "none"), None)
+        if undefended is not None:
+            handles.append(Line2D([], [], color="0.55", linestyle="--", label=f"undefended ({utility_text(undefended)})"))
+        if utility[0].chance is not None:
+            handles.append(Line2D([], [], color="#8c564b", linestyle="-.", label=f"chance accuracy ({utility[0].chance:.2f})"))
+        axes[row][1].legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False,
+                            title="red edge: leaks", title_fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+class _Ref:
+    def __init__(self, metric: str, value: float) -> None:
+        self.metric, self.value = metric, value
+
+
+# -- the HTML page -------------------------------------------------------------------------------------------------
+
+MAX_CELL_TOKENS = 60
 
 
 def token_marks(reference: list[str], prediction: list[str]) -> list[tuple[str, str]]:
@@ -78,43 +233,103 @@ def token_marks(reference: list[str], prediction: list[str]) -> list[tuple[str, 
 
 
 _CSS = """
-body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}
-table{border-collapse:collapse;margin-bottom:2em;width:100%}td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top}
-th{background:#f3f3f3}.hit{background:#b7e4b0}.moved{background:#ffd59e}.miss{color:#999}
-.ref{color:#333}.empty{color:#aaa;font-style:italic}
+body{font-family:system-ui,sans-serif;margin:2em;max-width:1250px;color:#222}
+table{border-collapse:collapse;margin-bottom:1.5em}td,th{border:1px solid #ccc;padding:3px 7px;vertical-align:top}
+th{background:#f3f3f3;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
+.hit{background:#b7e4b0}.moved{background:#ffd59e}.miss{color:#999}.more{color:#777;font-style:italic}
+.ref{color:#333}.empty{color:#aaa;font-style:italic}.leak{color:#b00020;font-weight:600}.holds{color:#176d2c;font-weight:600}
+.how{background:#f7f7fb;border-left:4px solid #6b6bd6;padding:.6em 1em;max-width:900px}.na{color:#aaa}
 """
 
 
-def write_html(report: dict[str, Any], path: Path, plot_name: str | None = None) -> None:
-    """Reconstructions token by token, like the paper's qualitative table."""
-    config = report.get("meta", {}).get("config", {})
+def _e(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "<td class='n na'>–</td>"
+    return f"<td class='n'>{value:.{digits}f}</td>"
+
+
+def _scope(config: dict) -> str:
     rounds, attacked = config.get("rounds"), config.get("attack_rounds")
     if not attacked or attacked >= (rounds or 0):
-        scope = "every round's"
-    else:
-        scope = "the first round's" if attacked == 1 else f"the first {attacked} rounds'"
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>AEGIS audit</title><style>{_CSS}</style></head><body>",
-             "<h1>AEGIS audit</h1>",
-             f"<p>The server captured every shared gradient and attacked {scope} gradients. "
-             "<span class='hit'>green</span>: right token, right place; "
-             "<span class='moved'>orange</span>: right token, wrong place; grey: wrong token.</p>"]
+        return "every round's"
+    return "the first round's" if attacked == 1 else f"the first {attacked} rounds'"
+
+
+def write_html(report: AuditReport, path: Path, plot_name: str | None = None) -> None:
+    meta = report.meta
+    config = meta.get("config", {})
+    data = meta.get("data", {})
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>AEGIS audit</title><style>{_CSS}</style>"
+             "</head><body><h1>AEGIS audit</h1>"]
+    parts.append(
+        "<div class='how'><b>How to read this.</b> Each defence trained the models federatedly; the server kept "
+        f"every gradient a client shared and attacked {_scope(config)} gradients. A defence <span class='holds'>holds</span> "
+        f"when every attack stays within {MARGIN} of its <i>null baseline</i> (what the attack scores on a gradient "
+        "that holds nothing of the batch: a Gaussian gradient of matched norms for the reconstruction attacks, "
+        "chance for the label and 1-of-N attacks); otherwise it <span class='leak'>leaks</span>, and the verdict names "
+        "the attack. Reconstruction attacks count on their worst axis: ROUGE-1 (word order) or token recall (the bag of "
+        "words). Utility is the global model after the last round beside the undefended run and the untrained model "
+        "(and chance accuracy for the classifier). <code>aegis-*-batch</code> is the paper's batch calibration, kept "
+        "to reproduce the paper: its noise level fingerprints the batch.</div>")
+    parts.append(f"<p>Data: {_e(data.get('source', ''))}; validation: {_e(data.get('validation', ''))}. "
+                 f"{config.get('clients')} clients, {config.get('rounds')} rounds, batch {config.get('batch_size')}, "
+                 f"seed {config.get('seed')}. {'' if report.complete else '<b>Incomplete run</b>: the rows below finished. '}"
+                 f"{meta.get('seconds', 0):.0f} s.</p>")
+    parts.append("<h2>Verdicts and utility</h2><table><tr><th>model</th><th>defence</th><th>verdict</th>"
+                 "<th>utility</th><th>undefended</th><th>untrained</th><th>chance</th><th>DP ε</th></tr>")
+    for v in report.verdicts:
+        u = report.utility_of(v.model, v.defence)
+        none = report.utility_of(v.model, "none")
+        verdict = ("<span class='holds'>holds</span>" if v.holds
+                   else "<span class='leak'>leaks</span>: " + _e("; ".join(v.leaking)))
+        if v.calibration == "batch":
+            verdict += " <i>(batch calibration)</i>"
+        eps = "–" if u is None or u.epsilon is None else f"{u.epsilon:.2f} (δ {u.delta:g})"
+        parts.append(
+            f"<tr><td>{_e(v.model)}</td><td>{_e(v.defence)}</td><td>{verdict}</td><td>{_e(utility_text(u))}</td>"
+            f"<td>{_e(utility_text(none))}</td><td>{_e(utility_text(_Ref(u.metric, u.before)) if u else '–')}</td>"
+            f"<td>{'–' if u is None or u.chance is None else f'{u.chance:.2f}'}</td><td>{eps}</td></tr>")
+    parts.append("</table>")
     if plot_name:
-        parts.append(f"<img src='{html.escape(plot_name)}' alt='privacy/utility plot' style='max-width:100%'>")
-    parts.append("<h2>Scores</h2><table><tr><th>model</th><th>defence</th><th>attack</th><th>ROUGE-1</th>"
-                 "<th>ROUGE-2</th><th>ROUGE-L</th><th>token recall</th><th>exact</th></tr>")
-    for r in report["results"]:
+        parts.append(f"<img src='{_e(plot_name)}' alt='privacy/utility plot' style='max-width:100%'>")
+    parts.append("<h2>Null baselines</h2><table><tr><th>model</th><th>attack</th><th>null score</th>"
+                 "<th>null token recall</th><th>how</th></tr>")
+    for n in report.nulls:
+        parts.append(f"<tr><td>{_e(n.model)}</td><td>{_e(n.attack)}</td>{_num(n.score)}{_num(n.token_recall)}"
+                     f"<td>{_e(n.how)}</td></tr>")
+    parts.append("</table><h2>Scores</h2><table><tr><th>model</th><th>defence</th><th>attack</th><th>score</th>"
+                 "<th>null</th><th>ROUGE-1</th><th>ROUGE-2</th><th>ROUGE-L</th><th>token recall</th><th>exact</th>"
+                 "<th>N</th><th>gradients</th><th>notes</th></tr>")
+    for r in report.results:
+        score = f"<span class='{'leak' if r.leaks else 'holds'}'>{r.score:.3f}</span>"
+        notes = r.note
+        if r.variants:
+            notes = ", ".join(f"{k} {v:.2f}" for k, v in r.variants.items()) + ("; " + notes if notes else "")
         parts.append(
-            "<tr>" + "".join(f"<td>{html.escape(str(r[k]))}</td>" for k in ("model", "defence", "attack"))
-            + "".join(f"<td>{r[k]:.3f}</td>" for k in ("rouge1", "rouge2", "rougeL", "token_recall", "exact_rate")) + "</tr>"
-        )
-    parts.append("</table><h2>Reconstructions</h2><table><tr><th>model / defence / attack</th><th>private sentence</th><th>reconstruction</th></tr>")
-    for rec in report["reconstructions"]:
-        ref_tokens, pred_tokens = rec["reference_tokens"], rec["prediction_tokens"]
-        marked = " ".join(f"<span class='{cls}'>{html.escape(tok)}</span>" for tok, cls in token_marks(ref_tokens, pred_tokens))
+            f"<tr><td>{_e(r.model)}</td><td>{_e(r.defence)}</td><td>{_e(r.attack)} ({_e(_metric_name(r))})</td>"
+            f"<td class='n'>{score}</td>{_num(r.null)}{_num(r.rouge1)}{_num(r.rouge2)}{_num(r.rougeL)}"
+            f"{_num(r.token_recall)}{_num(r.exact_rate)}<td class='n'>{r.candidates or '–'}</td>"
+            f"<td class='n'>{r.gradients}</td><td>{_e(notes)}</td></tr>")
+    parts.append("</table><h2>Reconstructions</h2><p><span class='hit'>green</span>: right token, right place; "
+                 "<span class='moved'>orange</span>: right token, wrong place; grey: wrong token. Long "
+                 f"reconstructions are cut at {MAX_CELL_TOKENS} tokens, with the count of the rest.</p>"
+                 "<table><tr><th>model / defence / attack</th><th>private sentence</th><th>reconstruction</th></tr>")
+    for rec in report.reconstructions:
+        shown = rec.prediction_tokens[:MAX_CELL_TOKENS]
+        more = rec.prediction_more + max(0, len(rec.prediction_tokens) - MAX_CELL_TOKENS)
+        marked = " ".join(f"<span class='{cls}'>{_e(tok)}</span>" for tok, cls in token_marks(rec.reference_tokens, shown))
+        if more:
+            marked += f" <span class='more'>… (+{more:,} more tokens)</span>"
         parts.append(
-            f"<tr><td>{html.escape(rec['model'])} / {html.escape(rec['defence'])} / {html.escape(rec['attack'])}</td>"
-            f"<td class='ref'>{html.escape(rec['reference'])}</td>"
-            f"<td>{marked or '<span class=empty>(nothing recovered)</span>'}</td></tr>"
-        )
+            f"<tr><td>{_e(rec.model)} / {_e(rec.defence)} / {_e(rec.attack)}</td><td class='ref'>{_e(rec.reference)}</td>"
+            f"<td>{marked or '<span class=empty>(nothing recovered)</span>'}</td></tr>")
     parts.append("</table></body></html>")
     path.write_text("\n".join(parts))
+
+
+def _metric_name(r: AttackRecord) -> str:
+    return "ROUGE-1" if r.metric == TEXT_METRIC else "accuracy"

@@ -1,0 +1,348 @@
+"""The audit's attacks: each takes the shared gradients the server captured (and, for the secret
+completion, what the defence exports for a secret sentence) and returns one :class:`AttackRecord`.
+
+* text attacks (``aegis.attacks``: dager, embedding_norm, mlp_span, spectral, tag): reconstructions
+  scored by ROUGE-1/2/L and token recall; null = the same attack on a Gaussian gradient of matched
+  per-tensor norms (the clean gradient of client 0's first batch), computed before any defence runs;
+* ``labels`` (``aegis.attacks.labels``, encoder): the batch's label multiset from the head gradient;
+  null = uniform guessing (``label_null``);
+* ``fingerprint_pool`` (``aegis.attacks.fingerprint``): which of N candidate batches (every client's
+  true batch of the round and decoys from the data) each captured gradient came from; null = 1/N;
+* ``fingerprint_secret``: "my pin is ____" against N same-format values, each trial one defended step
+  of a B = 1 secret sentence; null = 1/N.
+
+The flood-level attacks rebuild AEGIS's calibration from its public configuration (Kerckhoffs), so
+they apply to the AEGIS rows only; a baseline has no flood level to read (its rows say n/a).
+Encoder candidates carry their true labels: the attacker is given the labels, an upper bound.
+"""
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..data import Example
+from .options import TEXT_ATTACKS, AuditConfig, DefenceSpec
+from .records import AttackRecord, NullBaseline, Reconstruction
+
+MAX_TOKENS = 60  # prediction tokens kept per reconstruction (the rest is counted)
+SECRET_TEMPLATE = "my pin is {}"
+
+
+@dataclass
+class Target:
+    """One shared gradient as the server received it, with the ground truth it is scored against."""
+
+    server_round: int
+    client: int
+    grads: dict[str, Tensor]
+    batch: dict[str, Tensor]  # the client's batch (never sent)
+    examples: list[Example]
+    references: list[str]  # the batch's sentences as the tokenizer sees them (decoded, truncated)
+
+
+@dataclass
+class ModelContext:
+    """One model of the audit: its initial state, tokenizer, data and the one batch builder."""
+
+    kind: str  # "decoder" or "encoder"
+    model: nn.Module  # the initial global model (round 1 starts here); never trained in place
+    tokenizer: object
+    config: AuditConfig
+    build: Callable[[Sequence[Example]], dict[str, Tensor]]  # THE batch builder (clients, eval, candidates)
+    label_ids: dict[str, int]
+    decoys: list[Example]  # sentences no client trains on: the fingerprint's decoy batches
+
+    @property
+    def alignment(self) -> str:
+        return "greedy" if self.kind == "decoder" else "hungarian"
+
+    def references(self, batch: dict[str, Tensor]) -> list[str]:
+        return [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+
+    def clean_gradient(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The undefended gradient of ``batch`` on the initial model (eval mode, as the clients)."""
+        model = self.model
+        was = model.training
+        model.eval()
+        model.zero_grad(set_to_none=True)
+        try:
+            model(**batch).loss.backward()
+            return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.train(was)
+
+
+def server_copy(model: nn.Module, state: dict[str, Tensor] | None = None) -> nn.Module:
+    """The server's copy of a round's global model (what the attacker holds)."""
+    server = copy.deepcopy(model)
+    if state:
+        with torch.no_grad():
+            params = dict(server.named_parameters())
+            for name, value in state.items():
+                params[name].copy_(value)
+    return server.eval()
+
+
+# -- scoring -------------------------------------------------------------------------------------------------------
+
+
+def token_ids(tokenizer, text: str) -> list[int]:
+    """Sub-word ids without specials and without the tokenizer's max-length warning (a reconstruction
+    may be a bag of thousands of tokens; nothing is run through the model here)."""
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def text_scores(predictions: list[str], references: list[str], tokenizer, alignment: str) -> dict[str, float]:
+    from .. import metrics
+
+    scores = metrics.rouge(predictions, references, alignment=alignment)
+    wanted = {t for ref in references for t in token_ids(tokenizer, ref)}
+    got = {t for pred in predictions for t in token_ids(tokenizer, pred)}
+    return {
+        "rouge1": scores["rouge1"], "rouge2": scores["rouge2"], "rougeL": scores["rougeL"],
+        "token_recall": len(wanted & got) / len(wanted) if wanted else 0.0,
+        "exact_rate": metrics.exact_rate(predictions, references),
+    }
+
+
+def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = ("rouge1", "rouge2", "rougeL", "token_recall", "exact_rate")
+    if not rows:
+        return dict.fromkeys(keys, 0.0)
+    return {k: round(sum(r[k] for r in rows) / len(rows), 4) for k in keys}
+
+
+def reconstruction_rows(ctx: ModelContext, defence: str, attack: str, refs: list[str], preds: list[str]) -> list[Reconstruction]:
+    from .. import metrics
+
+    rows = []
+    tok = ctx.tokenizer
+    for ref, j in zip(refs, metrics.align(preds, refs, ctx.alignment)):
+        pred = "" if j is None else preds[j]
+        ids = token_ids(tok, pred)
+        rows.append(Reconstruction(
+            ctx.kind, defence, attack, ref, pred if len(ids) <= MAX_TOKENS else tok.decode(ids[:MAX_TOKENS]),
+            tok.convert_ids_to_tokens(token_ids(tok, ref)), tok.convert_ids_to_tokens(ids[:MAX_TOKENS]),
+            max(0, len(ids) - MAX_TOKENS)))
+    return rows
+
+
+# -- the attacks ---------------------------------------------------------------------------------------------------
+
+
+class AuditAttack:
+    name = ""
+    metric = "rouge1"
+
+    def applies(self, kind: str, defence: DefenceSpec) -> bool:
+        return True
+
+    def null(self, ctx: ModelContext, first: Target) -> NullBaseline:
+        raise NotImplementedError
+
+    def run(self, ctx: ModelContext, defence: DefenceSpec, targets: list[Target], models: list[nn.Module],
+            null: NullBaseline, tick: Callable[[], None]) -> tuple[AttackRecord, list[Reconstruction]]:
+        raise NotImplementedError
+
+    def units(self, config: AuditConfig, targets: int) -> int:
+        """Progress units this attack takes per defence."""
+        return targets
+
+
+class TextAttack(AuditAttack):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _fn(self):
+        from .. import attacks
+
+        return getattr(attacks, self.name)
+
+    def null(self, ctx: ModelContext, first: Target) -> NullBaseline:
+        from ..metrics import null_gradient
+
+        preds = self._fn()(ctx.model, null_gradient(first.grads), ctx.tokenizer, len(first.references))
+        scores = text_scores(preds, first.references, ctx.tokenizer, ctx.alignment)
+        return NullBaseline(ctx.kind, self.name, round(scores["rouge1"], 4), round(scores["token_recall"], 4),
+                            "the attack on a Gaussian gradient of matched per-tensor norms")
+
+    def run(self, ctx, defence, targets, models, null, tick):
+        fn = self._fn()
+        rows, recon, seconds = [], [], 0.0
+        for target in targets:
+            t0 = time.perf_counter()
+            preds = fn(models[target.server_round - 1], target.grads, ctx.tokenizer, len(target.references))
+            seconds += time.perf_counter() - t0
+            rows.append(text_scores(preds, target.references, ctx.tokenizer, ctx.alignment))
+            if target is targets[0]:
+                recon = reconstruction_rows(ctx, defence.name, self.name, target.references, preds)
+            tick()
+        scores = _mean(rows)
+        record = AttackRecord(ctx.kind, defence.name, self.name, "rouge1", scores["rouge1"], null.score, len(rows),
+                              round(seconds, 2), null_token_recall=null.token_recall, **scores)
+        return record, recon
+
+
+class LabelAttack(AuditAttack):
+    name, metric = "labels", "accuracy"
+
+    def applies(self, kind, defence):
+        return kind == "encoder"
+
+    def null(self, ctx, first):
+        from ..attacks.labels import label_null
+
+        return NullBaseline(ctx.kind, self.name, round(label_null(len(ctx.label_ids), len(first.references)), 4),
+                            how="uniform guessing of the labels (label_null)")
+
+    @staticmethod
+    def _gain(model: nn.Module, defence: DefenceSpec) -> float:
+        """An adaptive attacker undoes the flood's known public scale rho on the head (Kerckhoffs)."""
+        if defence.aegis is None:
+            return 1.0
+        from ..attacks.labels import find_head
+        from ..policy import plan
+
+        names = set(find_head(model).weight)
+        rho = next((p.treatment.rho for p in plan(model, defence.aegis) if p.name in names), 1.0)
+        return rho if rho > 0 else 1.0
+
+    def run(self, ctx, defence, targets, models, null, tick):
+        from ..attacks.labels import infer_labels, label_accuracy
+
+        gain = self._gain(ctx.model, defence)
+        accuracies, seconds = [], 0.0
+        for target in targets:
+            t0 = time.perf_counter()
+            pred = infer_labels(models[target.server_round - 1], target.grads, len(target.references), gain=gain)
+            seconds += time.perf_counter() - t0
+            accuracies.append(label_accuracy(pred, target.batch["labels"].tolist()))
+            tick()
+        score = round(sum(accuracies) / len(accuracies), 4) if accuracies else 0.0
+        note = f"gain {gain:g} (the head's public rho)" if gain != 1.0 else ""
+        return AttackRecord(ctx.kind, defence.name, self.name, "accuracy", score, null.score, len(accuracies),
+                            round(seconds, 2), note=note), []
+
+
+class _Fingerprint(AuditAttack):
+    metric = "accuracy"
+
+    def applies(self, kind, defence):
+        return defence.aegis is not None
+
+    def null(self, ctx, first):
+        return NullBaseline(ctx.kind, self.name, round(1 / ctx.config.candidates, 4), how="1 / N (a random pick)")
+
+    @staticmethod
+    def _score(ctx: ModelContext, defence: DefenceSpec, model: nn.Module, candidates: list[dict[str, Tensor]],
+               observations: list[tuple[dict[str, Tensor], int]], tick) -> tuple[dict[str, float], list[float]]:
+        """Every variant's accuracy (mean P(truth first), ties at random) over the observations, scoring
+        each candidate once (its prediction is dropped before the next: the likelihood variant keeps
+        the candidate's whole signal)."""
+        from ..attacks.fingerprint import VARIANTS, FingerprintAttack, rank_of_truth, top_share
+
+        attack = FingerprintAttack(model, defence.aegis)
+        obs = [(attack.observe(exported), truth) for exported, truth in observations]
+        scores = {v: [[0.0] * len(candidates) for _ in obs] for v in VARIANTS}
+        for c, batch in enumerate(candidates):
+            pred = attack.predict(batch, keep_signal=True)
+            for v in VARIANTS:
+                for i, (o, _) in enumerate(obs):
+                    scores[v][i][c] = attack.score(o, pred, v)
+            del pred
+            tick()
+        accuracy = {v: round(sum(top_share(s, t) for s, (_, t) in zip(scores[v], obs)) / len(obs), 4) for v in VARIANTS}
+        best = max(VARIANTS, key=accuracy.__getitem__)
+        ranks = [rank_of_truth(s, t) for s, (_, t) in zip(scores[best], obs)]
+        return accuracy, ranks
+
+
+class FingerprintPool(_Fingerprint):
+    """Which of N candidate batches each captured gradient came from: the round's true batches (every
+    client's) and decoy batches of the same size drawn (seeded) from sentences no client trains on."""
+
+    name = "fingerprint_pool"
+
+    def units(self, config, targets):
+        return config.candidates * max(1, targets // max(1, config.clients))
+
+    def run(self, ctx, defence, targets, models, null, tick):
+        n = ctx.config.candidates
+        record_scores: dict[str, list[float]] = {}
+        ranks: list[float] = []
+        seconds, trials = 0.0, 0
+        for r in sorted({t.server_round for t in targets}):
+            round_targets = [t for t in targets if t.server_round == r]
+            truths = [t.examples for t in round_targets]
+            size = len(truths[0])
+            rng = random.Random(ctx.config.seed * 1000 + r)
+            pool = list(ctx.decoys)
+            rng.shuffle(pool)
+            decoys = [pool[i * size:(i + 1) * size] for i in range(max(0, n - len(truths)))]
+            decoys = [d for d in decoys if len(d) == size]
+            candidates = [t.batch for t in round_targets] + [ctx.build(d) for d in decoys]
+            t0 = time.perf_counter()
+            accuracy, rk = self._score(ctx, defence, models[r - 1], candidates,
+                                       [(t.grads, i) for i, t in enumerate(round_targets)], tick)
+            seconds += time.perf_counter() - t0
+            for v, a in accuracy.items():
+                record_scores.setdefault(v, []).append(a * len(round_targets))
+            ranks += rk
+            trials += len(round_targets)
+            n = len(candidates)
+        variants = {v: round(sum(s) / trials, 4) for v, s in record_scores.items()}
+        best = max(variants, key=variants.__getitem__)
+        note = (f"best variant {best}; truth's mean rank {sum(ranks) / len(ranks):.1f} of {n}; "
+                f"batches of {len(targets[0].examples)}")
+        return AttackRecord(ctx.kind, defence.name, self.name, "accuracy", variants[best], null.score, trials,
+                            round(seconds, 2), candidates=n, variants=variants, note=note), []
+
+
+class FingerprintSecret(_Fingerprint):
+    """Secret completion: the client trains one step on "my pin is V" (B = 1) through the defence; the
+    server scores the N same-format values. ``secret_trials`` trials, seeded truths."""
+
+    name = "fingerprint_secret"
+
+    def units(self, config, targets):
+        return config.secret_trials + config.candidates
+
+    def run(self, ctx, defence, targets, models, null, tick):
+        from ..baselines import Aegis
+
+        cfg = ctx.config
+        rng = random.Random(cfg.seed)
+        values = [f"{v:04d}" for v in rng.sample(range(10000), cfg.candidates)]
+        label = next(iter(sorted(ctx.label_ids)), None)
+        secret = [Example(SECRET_TEMPLATE.format(v), label) for v in values]
+        candidates = [ctx.build([e]) for e in secret]
+        truths = rng.sample(range(cfg.candidates), cfg.secret_trials)
+        client = server_copy(ctx.model)  # the client's copy of the round-1 model, protected in place
+        shield = Aegis(defence.aegis).attach(client)
+        t0 = time.perf_counter()
+        observations = []
+        for truth in truths:
+            _, exported = shield.step(candidates[truth])
+            observations.append(({k: v.detach().clone() for k, v in exported.items()}, truth))
+            tick()
+        shield.detach()
+        accuracy, ranks = self._score(ctx, defence, models[0], candidates, observations, tick)
+        seconds = time.perf_counter() - t0
+        best = max(accuracy, key=accuracy.__getitem__)
+        note = f"best variant {best}; truth's mean rank {sum(ranks) / len(ranks):.1f} of {cfg.candidates}"
+        return AttackRecord(ctx.kind, defence.name, self.name, "accuracy", accuracy[best], null.score, len(truths),
+                            round(seconds, 2), candidates=cfg.candidates, variants=accuracy, note=note), []
+
+
+def make(name: str) -> AuditAttack:
+    if name in TEXT_ATTACKS:
+        return TextAttack(name)
+    return {"labels": LabelAttack, "fingerprint_pool": FingerprintPool, "fingerprint_secret": FingerprintSecret}[name]()

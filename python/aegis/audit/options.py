@@ -1,0 +1,242 @@
+"""What the audit runs (:class:`AuditConfig`) and the checks that run before any model loads.
+
+Every check raises :class:`UsageError`: one line that names the option, what is wrong with it and the
+fix. The CLI turns it into ``error: ...`` and exit code 2.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from ..config import AegisConfig, Calibration
+
+MODELS = ("decoder", "encoder")
+TEXT_ATTACKS = ("dager", "embedding_norm", "mlp_span", "spectral", "tag")
+ATTACKS = (*TEXT_ATTACKS, "labels", "fingerprint_pool", "fingerprint_secret")
+DEFAULT_ATTACKS = ("dager", "embedding_norm", "mlp_span", "spectral", "labels", "fingerprint_pool", "fingerprint_secret")
+ENCODER_ONLY = ("labels",)  # the label attack reads a classification head
+DEFENCES = (
+    "none",
+    "aegis-paper",
+    "aegis-utility",
+    "aegis-paper-batch",
+    "dp-noise-0.001",
+    "dp-noise-0.01",
+    "dp-noise-0.1",
+    "dp-sgd-C1-z1",
+    "prune-50",
+    "prune-90",
+    "prune-99",
+    "soteria-80",
+)
+QUICK_DEFENCES = ("none", "aegis-paper", "aegis-utility", "aegis-paper-batch", "dp-noise-0.01", "dp-sgd-C1-z1",
+                  "prune-90", "soteria-80")
+DEFENCE_FORMS = "aegis-PRESET[-batch], dp-noise-SIGMA, dp-sgd-CC-zZ, prune-PERCENT, soteria-PERCENT"
+MAX_BATCH = 64
+MAX_CLIENTS = 64
+MAX_ROUNDS = 100
+
+
+class UsageError(ValueError):
+    """Bad input: a one-line message naming the option and the fix (exit code 2)."""
+
+    def __init__(self, option: str, message: str) -> None:
+        self.option = option
+        super().__init__(f"{option}: {message}" if option else message)
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """What the audit runs. ``quick()`` is the under-3-minutes variant."""
+
+    models: tuple[str, ...] = MODELS
+    defences: tuple[str, ...] = DEFENCES
+    attacks: tuple[str, ...] = DEFAULT_ATTACKS
+    clients: int = 2
+    rounds: int = 3
+    batch_size: int = 4
+    # The server keeps every round's gradients; the attacks read the first N rounds' (0: every round).
+    attack_rounds: int = 1
+    decoder_lr: float = 1e-3
+    encoder_lr: float = 1e-3
+    optimizer: str = "adamw"
+    seed: int = 0
+    decoder: str | None = None  # HF causal LM name / path; None: the embedded default decoder
+    encoder: str | None = None  # HF sequence-classification name / path; None: embedded MiniLM
+    dataset: str | None = None  # local file or HF dataset; None: the shipped corpus
+    text_field: str | None = None
+    label_field: str | None = None
+    validation_share: float = 0.2  # held out (seeded) when the dataset has no validation split
+    max_eval: int = 80  # validation sentences used for utility
+    candidates: int = 40  # N of the 1-of-N fingerprint attacks
+    secret_trials: int = 4  # secret-completion trials per defence (each one defended step at B = 1)
+
+    @staticmethod
+    def quick(**changes) -> "AuditConfig":
+        # One setting per baseline family keeps every family in the report.
+        base = {"models": ("decoder",), "defences": QUICK_DEFENCES, "rounds": 2, "batch_size": 2, "secret_trials": 2}
+        return AuditConfig(**{**base, **changes})
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+    def attacks_for(self, model: str) -> tuple[str, ...]:
+        return tuple(a for a in self.attacks if model == "encoder" or a not in ENCODER_ONLY)
+
+    def as_dict(self) -> dict:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+
+# -- names ---------------------------------------------------------------------------------------------------------
+
+
+def split_names(value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    return tuple(v.strip().lower() for v in value.split(",") if v.strip())
+
+
+def _check_names(option: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+    if not values:
+        raise UsageError(option, f"empty; choose from {', '.join(allowed)}")
+    unknown = [v for v in values if v not in allowed]
+    if unknown:
+        raise UsageError(option, f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(allowed)}")
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise UsageError(option, f"{', '.join(twice)} named twice; name each once")
+
+
+@dataclass(frozen=True)
+class DefenceSpec:
+    """A defence name resolved without building anything heavy: AEGIS (its config) or a baseline spec."""
+
+    name: str
+    aegis: AegisConfig | None = None
+
+    @property
+    def run_as(self):
+        """What ``aegis.fl.run_rounds(defence=...)`` takes."""
+        return self.aegis if self.aegis is not None else self.name
+
+    @property
+    def calibration(self) -> str | None:
+        return None if self.aegis is None else self.aegis.calibration.value
+
+
+_AEGIS = re.compile(r"^aegis(?:-(?P<preset>[a-z]+?))?(?P<batch>-batch)?$")
+
+
+def resolve_defence(name: str) -> DefenceSpec:
+    """``aegis-paper``, ``aegis-utility`` (public calibration), ``aegis-paper-batch`` (the paper's batch
+    calibration) or a baseline name :func:`aegis.baselines.make_defence` parses."""
+    match = _AEGIS.match(name)
+    if match:
+        preset = match["preset"] or "paper"
+        calibration = Calibration.BATCH if match["batch"] else Calibration.PUBLIC
+        try:
+            return DefenceSpec(name, AegisConfig(preset=preset, calibration=calibration))
+        except ValueError as err:
+            raise UsageError("--defences", f"{name!r}: {err}") from None
+    from ..baselines import make_defence
+
+    try:
+        make_defence(name)
+    except ValueError:
+        raise UsageError("--defences", f"unknown {name!r}; choose from {', '.join(DEFENCES)} "
+                         f"(or the forms {DEFENCE_FORMS})") from None
+    return DefenceSpec(name)
+
+
+def check_config(config: AuditConfig) -> None:
+    """Names and ranges (no I/O)."""
+    _check_names("--models", config.models, MODELS)
+    _check_names("--attacks", config.attacks, ATTACKS)
+    if not config.defences:
+        raise UsageError("--defences", f"empty; choose from {', '.join(DEFENCES)}")
+    for name in config.defences:
+        resolve_defence(name)
+    twice = sorted({d for d in config.defences if config.defences.count(d) > 1})
+    if twice:
+        raise UsageError("--defences", f"{', '.join(twice)} named twice; name each once")
+    if "encoder" not in config.models:
+        only = [a for a in config.attacks if a in ENCODER_ONLY]
+        if only and len(only) == len(config.attacks):
+            raise UsageError("--attacks", f"{', '.join(only)} reads a classification head: add --models encoder")
+    for option, value, low, high in (
+        ("--clients", config.clients, 1, MAX_CLIENTS),
+        ("--rounds", config.rounds, 1, MAX_ROUNDS),
+        ("--batch-size", config.batch_size, 1, MAX_BATCH),
+        ("--attack-rounds", config.attack_rounds, 0, config.rounds),
+        ("--seed", config.seed, 0, 2**32 - 1),
+        ("--candidates", config.candidates, 2, 1000),
+        ("--secret-trials", config.secret_trials, 1, 40),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            hint = " (0 attacks every round)" if option == "--attack-rounds" else ""
+            if option == "--attack-rounds" and isinstance(value, int) and value > config.rounds:
+                raise UsageError(option, f"{value} is more than --rounds {config.rounds}: use at most {config.rounds}{hint}")
+            raise UsageError(option, f"{value!r}: use a whole number from {low} to {high}{hint}")
+    if not 0.05 <= config.validation_share <= 0.5:
+        raise UsageError("--validation-share", f"{config.validation_share}: use a share from 0.05 to 0.5")
+    if config.decoder is not None and "decoder" not in config.models:
+        raise UsageError("--model", "names the decoder, but --models leaves the decoder out: add it or drop --model")
+    if config.encoder is not None and "encoder" not in config.models:
+        raise UsageError("--encoder", "names the encoder, but --models leaves the encoder out: add it or drop --encoder")
+    if config.label_field is not None and config.dataset is None:
+        raise UsageError("--label-field", "needs --dataset (the shipped corpus has its labels)")
+    if config.text_field is not None and config.dataset is None:
+        raise UsageError("--text-field", "needs --dataset (the shipped corpus has its text field)")
+
+
+# -- the output folder ---------------------------------------------------------------------------------------------
+
+
+def check_out(out: str | os.PathLike) -> Path:
+    """Create ``out`` and prove it writable (write and remove a probe file) before anything runs."""
+    folder = Path(out).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise UsageError("--out", f"{out} is a file: name a folder (it is created if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".aegis-write-test-"):
+            pass
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise UsageError("--out", f"cannot write to {out} ({reason}): name a writable folder") from None
+    return folder
+
+
+# -- models named on the command line ------------------------------------------------------------------------------
+
+
+def check_model_name(option: str, name: str) -> None:
+    """A local directory with config.json, a name in the local Hugging Face cache, or a Hub name while
+    the Hub is reachable (checked with one quick connection, so offline machines fail at once)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UsageError(option, f"{name} has no config.json: name a saved Hugging Face model folder")
+        return
+    if name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]:
+        raise UsageError(option, f"{name}: no such folder; name a saved model folder or a Hub name such as gpt2")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name, local_files_only=True)
+        return
+    except (OSError, ValueError):
+        pass
+    from ..loading import hub_reachable
+
+    if not hub_reachable():
+        raise UsageError(option, f"{name!r} is not in the local Hugging Face cache and the Hub is not "
+                                 "reachable: use a local model folder, or leave the option out for the embedded model")
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(option, f"{name!r}: {first[:160]}") from None

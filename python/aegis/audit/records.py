@@ -1,0 +1,215 @@
+"""The audit's typed records: what each stage produces and what ``report.json`` holds.
+
+federate (one :class:`UtilityRecord` and one :class:`RoundsRecord` per model x defence) -> attack ->
+score (one :class:`AttackRecord` per model x defence x attack, with the attack's null baseline computed
+before any defence ran) -> :class:`Verdict` per model x defence. ``AuditReport.to_json()`` is the
+``report.json`` schema (README "The audit").
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# An attack "leaks" when its score exceeds its null baseline by more than MARGIN (and the floor): the
+# paper's 0.05 bar for ROUGE-1, and "chance + 0.05" for the 1-of-N and label attacks (issues 13, 14).
+MARGIN = 0.05
+FLOOR = 0.05
+
+
+@dataclass(frozen=True)
+class NullBaseline:
+    """What an attack scores on a gradient that holds no information about the batch (text attacks: a
+    Gaussian gradient of matched per-tensor norms; 1-of-N and label attacks: chance)."""
+
+    model: str
+    attack: str
+    score: float  # on the attack's headline metric
+    token_recall: float | None = None  # text attacks: the null's token recall (the bag-of-words axis)
+    how: str = ""
+
+
+@dataclass(frozen=True)
+class AttackRecord:
+    """One attack against one defence on one model, averaged over the gradients it read."""
+
+    model: str
+    defence: str
+    attack: str
+    metric: str  # the headline metric: "rouge1" (text attacks) or "accuracy" (label, fingerprint)
+    score: float
+    null: float  # the same metric on the null baseline
+    gradients: int  # shared gradients (or trials) attacked
+    seconds: float
+    rouge1: float | None = None
+    rouge2: float | None = None
+    rougeL: float | None = None
+    token_recall: float | None = None
+    exact_rate: float | None = None
+    null_token_recall: float | None = None
+    candidates: int | None = None  # 1-of-N attacks: N
+    variants: dict[str, float] = field(default_factory=dict)  # fingerprint: accuracy per scoring variant
+    note: str = ""
+
+    @property
+    def privacy(self) -> float:
+        """The worst of ROUGE-1 and token recall (text attacks); the score otherwise."""
+        if self.metric == "rouge1":
+            return max(self.rouge1 or 0.0, self.token_recall or 0.0)
+        return self.score
+
+    @property
+    def excess(self) -> float:
+        """How far the attack gets beyond its null baseline, on its worst axis."""
+        gaps = [self.score - max(FLOOR if self.metric == "rouge1" else 0.0, self.null)]
+        if self.token_recall is not None:
+            gaps.append(self.token_recall - max(FLOOR, self.null_token_recall or 0.0))
+        return max(gaps)
+
+    @property
+    def leaks(self) -> bool:
+        return self.excess > MARGIN
+
+    def headline(self) -> str:
+        """'dager ROUGE-1 0.98 (null 0.12)' — the axis that leaks most."""
+        if self.metric == "rouge1" and self.token_recall is not None:
+            recall_gap = self.token_recall - max(FLOOR, self.null_token_recall or 0.0)
+            rouge_gap = self.score - max(FLOOR, self.null)
+            if recall_gap > rouge_gap:
+                return f"{self.attack} token recall {self.token_recall:.2f} (null {self.null_token_recall or 0.0:.2f})"
+            return f"{self.attack} ROUGE-1 {self.score:.2f} (null {self.null:.2f})"
+        return f"{self.attack} accuracy {self.score:.2f} (chance {self.null:.3f})"
+
+
+@dataclass(frozen=True)
+class UtilityRecord:
+    """The global model after the last round, and before round 1 (the untrained reference)."""
+
+    model: str
+    defence: str
+    rounds: int
+    metric: str  # "perplexity" (decoder) or "accuracy" (encoder)
+    value: float
+    val_loss: float
+    before: float  # the same metric before round 1
+    f1: float | None = None  # encoder: macro-F1
+    chance: float | None = None  # encoder: accuracy of always predicting the commonest validation class
+    epsilon: float | None = None  # DP-SGD: Opacus's RDP accountant, at delta
+    delta: float | None = None
+
+
+@dataclass(frozen=True)
+class RoundsRecord:
+    """FedSGD's per-round counts and the server's held-out metrics after each round."""
+
+    model: str
+    defence: str
+    rounds: list[dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Reconstruction:
+    """A private sentence beside what an attack made of it (first attacked gradient of client 0)."""
+
+    model: str
+    defence: str
+    attack: str
+    reference: str
+    prediction: str
+    reference_tokens: list[str]
+    prediction_tokens: list[str]  # at most MAX_TOKENS; prediction_more says how many were cut
+    prediction_more: int = 0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Per model x defence: does the defence hold against every attack, and if not, which attack reads what."""
+
+    model: str
+    defence: str
+    holds: bool
+    leaking: list[str]  # headlines of the attacks that leak, worst first
+    worst: float  # the worst of ROUGE-1 and token recall over the text attacks (the plot's privacy axis)
+    calibration: str | None = None  # AEGIS: "public" or "batch"
+
+    def text(self) -> str:
+        if self.holds:
+            return "holds"
+        return "leaks: " + "; ".join(self.leaking)
+
+
+def verdicts(results: list[AttackRecord], model: str, defence: str, calibration: str | None = None) -> Verdict:
+    rows = [r for r in results if r.model == model and r.defence == defence]
+    leaking = sorted((r for r in rows if r.leaks), key=lambda r: -r.excess)
+    text = [r.privacy for r in rows if r.metric == "rouge1"]
+    return Verdict(model, defence, not leaking, [r.headline() for r in leaking],
+                   max(text) if text else float("nan"), calibration)
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/inf: None for those."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+@dataclass
+class AuditReport:
+    """Everything the audit produced so far (it grows defence by defence; ``complete`` at the end)."""
+
+    meta: dict[str, Any]
+    nulls: list[NullBaseline] = field(default_factory=list)
+    results: list[AttackRecord] = field(default_factory=list)
+    utility: list[UtilityRecord] = field(default_factory=list)
+    rounds: list[RoundsRecord] = field(default_factory=list)
+    reconstructions: list[Reconstruction] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    complete: bool = False
+
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(u.model for u in self.utility))
+
+    def utility_of(self, model: str, defence: str) -> UtilityRecord | None:
+        return next((u for u in self.utility if (u.model, u.defence) == (model, defence)), None)
+
+    def to_json(self) -> dict[str, Any]:
+        def rows(items):
+            out = []
+            for item in items:
+                row = asdict(item)
+                if isinstance(item, AttackRecord):
+                    row["leaks"] = item.leaks
+                    row["privacy"] = item.privacy
+                if isinstance(item, Verdict):
+                    row["text"] = item.text()
+                out.append(row)
+            return out
+
+        return _clean({
+            "complete": self.complete,
+            "meta": self.meta,
+            "verdicts": rows(self.verdicts),
+            "results": rows(self.results),
+            "nulls": rows(self.nulls),
+            "utility": rows(self.utility),
+            "rounds": rows(self.rounds),
+            "reconstructions": rows(self.reconstructions),
+        })
+
+
+def report_from_json(data: dict[str, Any]) -> AuditReport:
+    """An :class:`AuditReport` back from ``report.json`` (e.g. to redraw the plot or the HTML)."""
+    from dataclasses import fields as _fields
+
+    def rows(cls, items):
+        names = {f.name for f in _fields(cls)}
+        return [cls(**{k: v for k, v in item.items() if k in names}) for item in items or []]
+
+    return AuditReport(data.get("meta", {}), rows(NullBaseline, data.get("nulls")), rows(AttackRecord, data.get("results")),
+                       rows(UtilityRecord, data.get("utility")), rows(RoundsRecord, data.get("rounds")),
+                       rows(Reconstruction, data.get("reconstructions")), rows(Verdict, data.get("verdicts")),
+                       bool(data.get("complete")))
