@@ -2,19 +2,17 @@
 picks the client's batch among N candidates from the per-tensor noise levels; under the public
 calibration the level attack is at chance by construction.
 
-Most tests swap the flood's ChaCha keystream for a keyed ``torch.randn`` (``fast_noise``): the CPU reference
-cipher takes ~15 s per masked step of the decoder, and the attacks never read the noise, only its level
-(they do not know the key). Calibration, clipping, masking and export all run through the real shield.
+Most tests swap the flood's ChaCha normals for a keyed ``torch.randn`` (``fast_noise``, tests/fast_noise.py):
+the CPU reference cipher takes seconds per masked step of the decoder, and the attacks never read the noise,
+only its law (they do not know the key). Calibration, clipping, masking and export all run through the real shield.
 The slow tests also run the real cipher end to end.
 """
-import hashlib
 import math
 
 import pytest
 import torch
 
 import aegis
-import aegis_kernels.reference as ref
 from aegis.attacks import fingerprint_accuracy, identify_sentence, secret_completion, shared_gradient, verify
 from aegis.attacks.fingerprint import (
     VARIANTS,
@@ -30,6 +28,7 @@ from aegis.attacks.fingerprint import (
 from aegis.config import AegisConfig, Calibration, Treatment
 from aegis.data import LABELS, load_corpus
 from aegis.models import default_decoder, default_encoder
+from fast_noise import CHACHA_COMPONENTS, fast_noise  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:AegisConfig\(seed=")  # fixed keys: tests only
 
@@ -40,22 +39,6 @@ SECRETS = [[TEMPLATE.format(v)] for v in VALUES]
 POOL = [e.text for e in load_corpus("validation")[:24]]
 SENTENCES = [[t] for t in POOL]
 
-
-CHACHA_NOISE = ref.noise
-
-
-def _fast_noise(shape, key, offset=0, dtype=torch.float32, device=None):
-    seed = int.from_bytes(hashlib.sha256(repr((key.tolist(), offset)).encode()).digest()[:8], "little")
-    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed)).to(device or "cpu")
-
-
-@pytest.fixture(scope="module")
-def fast_noise():
-    """Standard normal noise keyed by (step key, offset), in place of the (slow on CPU) ChaCha stream."""
-    mp = pytest.MonkeyPatch()
-    mp.setattr(ref, "noise", _fast_noise)
-    yield
-    mp.undo()
 
 
 @pytest.fixture(scope="module")
@@ -181,15 +164,23 @@ def test_public_calibration_energy_attack_is_at_chance(public_results):
     assert energy.mean_rank >= 12  # chance: 20.5 +- 2.9 over 16 trials; a leak pulls it towards 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING: the matched filter <out, rho clip(G_candidate)> reads the clipped signal of the rows floods. "
-    "Public calibration of the 1-layer decoder: wte sigma 0.018, clip 0.175 (2 x the public batch's max row "
-    "norm, ~100x below a B=1 batch's ~4): each input token's row keeps rho*clip / sigma = 2.85 (LLR ~8 per row, "
-    "||S||^2/sigma^2 ~ 60 per sentence, d'^2 ~ 45-55 between two pins): 1.00 over 16 trials (N=40)"))
 def test_public_calibration_likelihood_attack_is_at_chance(public_results):
+    """The matched filter <out, rho clip(G_candidate)>: the paper preset's rows rho keeps each token row's
+    rho * clip / sigma (``ReportRow.snr``) far below 1."""
     likelihood = public_results["likelihood"]
     print(f"PUBLIC likelihood: {likelihood.accuracy:.3f}, mean rank {likelihood.mean_rank:.1f}")
     assert likelihood.accuracy <= 1 / 40 + 0.05
+    assert likelihood.mean_rank >= 12
+
+
+def test_likelihood_reads_the_paper_original_rows_rho(decoder, fast_noise):
+    """Weakened: the paper's original rows rho = 0.3 keeps rho * clip / sigma ~ 3 per token row (1-layer
+    decoder); the matched filter then picks the PIN among 40 every time."""
+    model, tok = decoder
+    weak = Treatment("rows", lam=1.0, rho=0.3)
+    cfg = config(PUBLIC, seed=5, overrides={r: weak for r in ("token_embedding", "position_embedding", "lm_head")})
+    result = fingerprint_accuracy(model, tok, cfg, SECRETS, PUBLIC_TRIALS[:8], variant="likelihood")
+    assert result.accuracy >= 0.9
 
 
 def test_variant_is_checked(decoder):
@@ -262,7 +253,7 @@ def test_encoder_with_unknown_labels(fast_noise):
 @pytest.mark.slow
 def test_real_cipher_end_to_end(decoder, monkeypatch):
     """No noise swap: the shield's ChaCha floods (fresh secret key per step: seed=None)."""
-    monkeypatch.setattr(ref, "noise", CHACHA_NOISE)  # undo fast_noise if an earlier test set it up
+    monkeypatch.setattr(ref, "noise_components", CHACHA_COMPONENTS)  # undo fast_noise if an earlier test set it up
     model, tok = decoder
     cfg = AegisConfig(calibration=BATCH)
     exported = shared_gradient(model, SECRETS[11], tok, shield=aegis.protect(model, config=cfg))

@@ -19,15 +19,20 @@ EXPECTED = {
         "albert.encoder.embedding_hidden_mapping_in.weight": "mlp",
         "predictions.dense.weight": "mlp",
     },
-    "albert-pretraining": {"sop_classifier.classifier.weight": "head", "albert.pooler.weight": "head"},
+    "albert-pretraining": {"sop_classifier.classifier.weight": "head", "albert.pooler.weight": "mlp"},
     "electra-discriminator": {
         "electra.embeddings_project.weight": "mlp",
         "discriminator_predictions.dense.weight": "mlp",
         "discriminator_predictions.dense_prediction.weight": "head",
     },
     "electra-generator": {"electra.embeddings_project.weight": "mlp", "generator_predictions.dense.weight": "mlp"},
-    "electra-cls": {"electra.embeddings_project.weight": "mlp", "classifier.dense.weight": "head"},
-    "distilbert-cls": {"pre_classifier.weight": "head", "pre_classifier.bias": "bias", "classifier.weight": "head"},
+    "electra-cls": {
+        "electra.embeddings_project.weight": "mlp",
+        "classifier.dense.weight": "mlp",  # a hidden transform of the head
+        "classifier.out_proj.weight": "head",  # rows indexed by label
+    },
+    "distilbert-cls": {"pre_classifier.weight": "mlp", "pre_classifier.bias": "bias", "classifier.weight": "head"},
+    "bert-cls": {"bert.pooler.dense.weight": "mlp", "classifier.weight": "head"},
     "distilbert-mlm": {"vocab_transform.weight": "mlp"},
     "bert-mlm": {"cls.predictions.transform.dense.weight": "mlp"},
     "roberta-mlm": {"lm_head.dense.weight": "mlp"},
@@ -54,8 +59,9 @@ def test_no_trainable_parameter_of_a_covered_family_is_other(family):
     assert list(roles.values()).count("token_embedding") == 1
     for name, role in EXPECTED.get(family, {}).items():
         assert roles[name] == role, name
-    for p in plans:  # only id-indexed tables flood along an axis
-        assert p.rows_axis == (0 if p.role in ("token_embedding", "position_embedding", "lm_head") else None), p.name
+    for p in plans:  # only tables indexed by token or label ids flood along an axis
+        indexed = p.role in ("token_embedding", "position_embedding", "lm_head", "head") and p.param.dim() == 2
+        assert p.rows_axis == (0 if indexed else None), p.name
 
 
 def _lora(family, targets, **kw):

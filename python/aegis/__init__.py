@@ -1,8 +1,9 @@
 """AEGIS: Attention-Embedding Gradient Isolation Shield for federated fine-tuning of language models."""
 from . import calibration
 from .config import PRESETS, ROLES, AegisConfig, Calibration, Treatment
+from .exposure import ExposurePolicy
 from .shield import CoverageReport, Shield, protect
 
-__all__ = ["AegisConfig", "Calibration", "Treatment", "PRESETS", "ROLES", "Shield", "CoverageReport", "protect",
+__all__ = ["AegisConfig", "Calibration", "Treatment", "ExposurePolicy", "PRESETS", "ROLES", "Shield", "CoverageReport", "protect",
            "calibration"]
 __version__ = "0.1.0"

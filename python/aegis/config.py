@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, Mapping
 
+from .exposure import ExposurePolicy
+
 ROLES = (
     "attention",
     "token_embedding",
@@ -63,33 +65,62 @@ class Treatment:
 
 
 FROZEN = Treatment("frozen")
-_EMBEDDING = Treatment("rows", lam=1.0, rho=0.3)
 
-# The paper's values (DESIGN §3 table).
+# What an attacker reads. A server holding the model computes any candidate batch's gradient and
+# correlates it with the export (candidate verification, aegis.attacks.fingerprint "likelihood"): its
+# signal-to-noise ratio is rho * clip / sigma per row (rows floods) or per tensor (matrix floods), shown
+# as ``ReportRow.snr``. With the public calibration sigma = lam * m_bar and clip = clip x M come from the
+# public batch. Rows: SNR ~ 2 rho (M / m_bar) / lam per row, a few per token. Matrix floods: SNR grows
+# as sqrt(numel) (m_bar is a per-entry mean, the clip a Frobenius norm), ~100 at rho 0.3 on an MLP
+# matrix, so no matrix flood with rho > 0 survives verification at a strength that still trains.
+#
+# Measured on CPU (docs/attacks.md): the matched filter picks a 4-digit PIN among 40 (B = 1) at 1.00
+# with the paper's rows rho = 0.3, 0.06 at 0.03 (0.19 over 4 exports), 0.00 at 0.01; the label attack
+# on a 4-class head reads B = 1 labels at 0.62 with rho 0.3 and at chance (0.25) with rho 0.03.
+
+# The paper's structure (DESIGN §3 table): attention frozen, MLP / norm / bias floods with rho = 0. Its
+# rows rho of 0.3 is lowered to what holds over PRESET_EXPOSURES["paper"] exports (rho * sqrt(K)).
+_PAPER_ROWS = Treatment("rows", lam=1.0, rho=0.01)
 PAPER: Mapping[str, Treatment] = MappingProxyType(
     {
         "attention": FROZEN,
-        "token_embedding": _EMBEDDING,
+        "token_embedding": _PAPER_ROWS,
         # LoRA factors indexed by token id: rows flood along the token axis (ParamPlan.rows_axis); the
         # other factor of the pair (not token-indexed) gets a matrix flood at the embedding's strength
-        "token_embedding_lora": _EMBEDDING,
-        "position_embedding": _EMBEDDING,
-        "lm_head": _EMBEDDING,
+        "token_embedding_lora": _PAPER_ROWS,
+        "position_embedding": _PAPER_ROWS,
+        "lm_head": _PAPER_ROWS,
         "mlp": Treatment("matrix", lam=8.0, rho=0.0),
         "norm": Treatment("matrix", lam=4.0, rho=0.0),
         "bias": Treatment("matrix", lam=4.0, rho=0.0),
-        "head": Treatment("matrix", lam=1.0, rho=0.3),
-        "other": Treatment("matrix", lam=1.0, rho=0.3),
+        "head": _PAPER_ROWS,  # rows = labels (policy rule 10)
+        "other": Treatment("matrix", lam=4.0, rho=0.0),  # strict=False only: pure noise, never signal
     }
 )
 
-# A gentler MLP flood that keeps the training signal (rho 0.3). The paper's ablation used lam 1.0,
-# which the adaptive spectral denoiser reads through, hence lam 2.0; under the public calibration the
-# private MLP gradient is clipped to the public batch's Frobenius norm (clip 1.0): at 2.0 the spectral
-# attack of `aegis audit --quick` read ROUGE-1 0.106, at 1.0 0.000 with perplexity 1.024x undefended.
-UTILITY: Mapping[str, Treatment] = MappingProxyType({**PAPER, "mlp": Treatment("matrix", lam=2.0, rho=0.3, clip=1.0)})
+# Trains what can carry signal, freezes the rest: a rho = 0 flood carries nothing yet moves the weights
+# on a random walk of ~lr per step under Adam, so MLP, norms and biases are frozen instead; the rows
+# floods get the rho that holds for one exposure of each example.
+_UTILITY_ROWS = Treatment("rows", lam=1.0, rho=0.02)
+UTILITY: Mapping[str, Treatment] = MappingProxyType(
+    {
+        **PAPER,
+        "token_embedding": _UTILITY_ROWS,
+        "token_embedding_lora": _UTILITY_ROWS,
+        "position_embedding": _UTILITY_ROWS,
+        "lm_head": _UTILITY_ROWS,
+        "head": Treatment("rows", lam=1.0, rho=0.03),
+        "mlp": FROZEN,
+        "norm": FROZEN,
+        "bias": FROZEN,
+        "other": FROZEN,
+    }
+)
 
 PRESETS: Mapping[str, Mapping[str, Treatment]] = MappingProxyType({"paper": PAPER, "utility": UTILITY})
+
+# How many exports of one example each preset's measured strength covers (noise averages as sqrt(K)).
+PRESET_EXPOSURES: Mapping[str, int] = MappingProxyType({"paper": 4, "utility": 1})
 
 
 @dataclass(frozen=True)
@@ -108,6 +139,10 @@ class AegisConfig:
     seed:           a fixed key, for tests only: refused unless the environment sets
                     AEGIS_ALLOW_FIXED_KEY=1 (a known key lets anyone remove the noise). None (default)
                     draws a fresh 256-bit key from ``secrets`` for every step.
+    exposure_budget: how many masked exports may carry one example (token sequence); None: the preset's
+                    promise (``PRESET_EXPOSURES``), 1 for a custom preset.
+    exposure:       ExposurePolicy.REFUSE (default: ``mask_()`` raises past the budget), SILENCE (that
+                    step exports pure noise) or OFF (no tracking: the guarantee covers one export).
     device_seed:    keep a master key on the gradients' device and derive each step's key there through
                     the cipher, so a captured CUDA graph of ``mask_()`` draws a fresh key on every replay
                     (the master key is redrawn in a forked child).
@@ -126,6 +161,8 @@ class AegisConfig:
     calibration: Calibration = Calibration.PUBLIC
     refresh_every: int = 100
     seed: int | None = None
+    exposure_budget: int | None = None
+    exposure: ExposurePolicy = ExposurePolicy.REFUSE
     device_seed: bool = False
     cuda_graph: bool = False
 
@@ -138,6 +175,10 @@ class AegisConfig:
         if not 0.0 <= self.rel_threshold < 1.0:
             raise ValueError(f"rel_threshold={self.rel_threshold}: must lie in [0, 1)")
         object.__setattr__(self, "calibration", Calibration(self.calibration))
+        object.__setattr__(self, "exposure", ExposurePolicy(self.exposure))
+        if self.exposure_budget is not None and self.exposure_budget < 1:
+            raise ValueError(f"exposure_budget={self.exposure_budget}: must be >= 1 (exports per example), or "
+                             "None for the preset's")
         if self.refresh_every < 1:
             raise ValueError(f"refresh_every={self.refresh_every}: must be >= 1 (steps between public calibrations)")
         if self.seed is not None:
@@ -158,6 +199,13 @@ class AegisConfig:
         if missing:
             raise ValueError(f"preset has no treatment for roles {sorted(missing)}")
         return {**base, **self.overrides}
+
+    @property
+    def exposures(self) -> int:
+        """The exposure budget in force (the preset's promise unless set)."""
+        if self.exposure_budget is not None:
+            return self.exposure_budget
+        return PRESET_EXPOSURES[self.preset] if isinstance(self.preset, str) else 1
 
     def replace(self, **changes) -> "AegisConfig":
         return dataclasses.replace(self, **changes)

@@ -16,7 +16,12 @@ Rules, in order (first match wins):
      ``predictions.dense``, ELECTRA ``generator_predictions.dense`` / ``discriminator_predictions.dense``,
      RoBERTa ``lm_head.dense``, DistilBERT ``vocab_transform``). Their gradient is a sum over the tokens
      of outer products, the span structure of an MLP gradient, so they get the MLP flood, not the head's;
-  10. classification / pooling heads -> head;
+  10. in classification / pooling heads: the output layer's weight, whose rows are indexed by label
+      (``out_features == num_labels``, or far fewer outputs than inputs: QA start/end, multiple choice)
+      -> head, a rows flood along the labels like the vocabulary rows of an LM head, because its rows
+      carry ``(p - y) h^T`` (the label channel); the hidden transforms of heads (BERT pooler,
+      DistilBERT ``pre_classifier``, RoBERTa ``classifier.dense``) -> mlp (outer products of hidden
+      states, the MLP's span structure);
   11. MLP expansion and contraction matrices (incl. LoRA adapters on them) -> mlp;
   12. anything else -> other: with ``strict=True`` an error naming the parameters and the fix, else the
       weak 'other' flood with a warning.
@@ -31,8 +36,8 @@ from torch import nn
 
 from .config import ROLES, AegisConfig, Treatment
 
-# The role of peft LoRA factors on a vocabulary-indexed matrix (the lead adds it to config.ROLES and the
-# presets, at the embedding's strength). ``ParamPlan.rows_axis`` says which axis the token ids index.
+# The role of peft LoRA factors on a vocabulary-indexed matrix (at the embedding's strength).
+# ``ParamPlan.rows_axis`` says which axis the token ids index.
 LORA_EMBEDDING_ROLE = "token_embedding_lora"
 
 # Family knowledge: class-name and parameter-path patterns of the transformers families we cover
@@ -60,14 +65,15 @@ _LORA_EMBEDDING_PARTS = ("lora_embedding_A", "lora_embedding_B")
 _LORA_LINEAR_PARTS = ("lora_A", "lora_B")
 _TRAINABLE_TOKENS = "trainable_tokens_delta"  # peft trainable_token_indices: (k x d), row i for token idx[i]
 _DORA_MAGNITUDE = "lora_magnitude_vector"
-_ID_INDEXED_ROLES = ("token_embedding", "position_embedding", "lm_head")
+_ID_INDEXED_ROLES = ("token_embedding", "position_embedding", "lm_head", "head")  # row v: token / label v
 _CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList, nn.Sequential)
 
 
 def rows_axis_of(name: str, param: nn.Parameter, role: str) -> int | None:
-    """The axis of ``param`` whose slices are indexed by token (position, vocabulary) ids, else None.
+    """The axis of ``param`` whose slices are indexed by token (position, vocabulary) or label ids, else None.
 
-    0 for embedding tables and the output embedding (V x d: row v belongs to id v). For peft LoRA on an
+    0 for embedding tables, the output embedding (V x d: row v belongs to id v) and a classifier's output
+    layer (C x d: row c is label c's). For peft LoRA on an
     embedding (``LORA_EMBEDDING_ROLE``; ``detect_role`` checked the layout against the base layer):
       * ``lora_embedding_A`` is (r x V) and looked up by column (``F.embedding(x, A.T)``): its gradient is
         non-zero exactly in the columns of the input tokens -> 1;
@@ -175,6 +181,15 @@ def _lora_vocab_factor(name: str, param: nn.Parameter, chain: list[nn.Module], h
     return False
 
 
+def _label_indexed(model: nn.Module, param: nn.Parameter) -> bool:
+    """A head weight whose rows are the labels' (C x d): the head's output layer, not a hidden transform."""
+    if param.dim() != 2:
+        return True  # a 1-D head parameter that is not a bias: keep the head's treatment
+    labels = getattr(getattr(model, "config", None), "num_labels", None)
+    outputs, inputs = param.shape
+    return outputs == labels or 8 * outputs <= inputs
+
+
 def detect_role(model: nn.Module, name: str, param: nn.Parameter, overrides: list[tuple[re.Pattern, str]]) -> str:
     for pattern, role in overrides:
         if pattern.search(name):
@@ -204,7 +219,7 @@ def detect_role(model: nn.Module, name: str, param: nn.Parameter, overrides: lis
     if param.dim() >= 2 and _TOKEN_DENSE_PATH.search(path):
         return "mlp"
     if _HEAD_PATH.search(path) or owner is head:
-        return "head"
+        return "head" if _label_indexed(model, param) else "mlp"
     if param.dim() >= 2 and (any(_MLP_CLASS.search(c) for c in classes) or _MLP_PATH.search(path)):
         return "mlp"
     return "other"

@@ -1,6 +1,7 @@
 """The shield: freezes attention, floods every other trainable gradient, exports only masked ones."""
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from dataclasses import dataclass
@@ -10,10 +11,11 @@ from torch import Tensor, nn
 
 import aegis_kernels  # noqa: F401  (registers torch.ops.aegis)
 import aegis_kernels.reference as ref
+from aegis_kernels.cuda_graph import GraphedFlood
 
 from .calibration import PublicLoss, public_statistics, synthetic_loss
 from .config import AegisConfig, Calibration
-from .flood_graph import GraphedFlood
+from .exposure import ExposurePolicy, ExposureTracker
 from .policy import ParamPlan, plan
 
 
@@ -26,12 +28,19 @@ class ReportRow:
     rho: float | None
     shape: tuple[int, ...]
     numel: int
+    # rho * clip / sigma of the public calibration: the largest exported signal of one row (rows flood) or
+    # of the tensor (matrix flood) over the per-entry noise, i.e. the matched-filter SNR an attacker who
+    # knows the candidate's gradient gets from one export (None before the first calibration, or BATCH)
+    snr: float | None = None
 
 
 @dataclass(frozen=True)
 class CoverageReport:
     rows: list[ReportRow]
     calibration: Calibration = Calibration.PUBLIC
+    exposure_budget: int = 1  # exports per example the configuration's strength covers
+    exposure: ExposurePolicy = ExposurePolicy.REFUSE  # OFF: nothing enforces the budget
+    max_exposure: int = 0  # the most exports any one example has had so far
 
     @property
     def leaks_flood_level(self) -> bool:
@@ -87,6 +96,10 @@ class Shield:
         self._patterns: dict[tuple[bool, ...], tuple[str, Tensor | None]] = {}
         self._graphed: GraphedFlood | None = None
         self._hook = None
+        self._exposure: ExposureTracker | None = None
+        if config.exposure is not ExposurePolicy.OFF and self._flooded:
+            self._exposure = ExposureTracker(model, config.exposures,
+                                             lambda: all(p.param.grad is None for p in self._flooded))
         if optimizer is not None:
             _drop_from_optimizer(optimizer, frozen)
             self._hook = optimizer.register_step_pre_hook(lambda *_: self.ensure_masked())
@@ -99,7 +112,8 @@ class Shield:
         if self._loss is None:
             self._loss = synthetic_loss(self.model)
         tau = self.config.rel_threshold
-        stats = public_statistics([p.param for p in self._flooded], self._modes, self._loss, tau, self._transposed)
+        with self._untracked():
+            stats = public_statistics([p.param for p in self._flooded], self._modes, self._loss, tau, self._transposed)
         table = torch.stack([
             ref.public_params(stat, mode, p.treatment.rho, p.treatment.lam, tau, p.treatment.clip)
             for stat, mode, p in zip(stats, self._modes, self._flooded)
@@ -109,6 +123,10 @@ class Shield:
         else:
             self._params.copy_(table)  # in place: a captured graph reads this address
         self._calibrated_step = self._step
+
+    def _untracked(self):
+        """Forwards on the public calibration batch are not exposures of the client's examples."""
+        return self._exposure.paused() if self._exposure is not None else contextlib.nullcontext()
 
     def _step_params(self, tensors: list[Tensor], index: Tensor | None) -> Tensor:
         """The (n, 4) parameter table of the gradients present, for this step."""
@@ -133,17 +151,43 @@ class Shield:
             )
         grads = [p.param.grad for p in self._flooded]
         tensors, modes, index = self._present(grads)
+        silenced = False
         if tensors:
             params = self._step_params(tensors, index)
-            if self.config.device_seed:
+            silenced = self._over_budget()
+            if silenced:
+                params = params.clone()
+                params[:, 0] = 0.0  # rho = 0: pure noise, nothing of this batch leaves
+                torch.ops.aegis.flood_(tensors, modes, params, self._step_key().to(tensors[0].device))
+            elif self.config.device_seed:
                 torch.ops.aegis.flood_keyed_(tensors, modes, params, self._device_state(tensors[0].device))
             elif index is None and self._graphable(tensors):
                 self._graphed(tensors, modes, params, self._master_words(), self._step)
             else:
                 torch.ops.aegis.flood_(tensors, modes, params, self._step_key().to(tensors[0].device))
+        if self._exposure is not None:
+            self._exposure.commit(carried_signal=bool(tensors) and not silenced)
         self._step += 1
         self._masked = [(None, 0) if g is None else (weakref.ref(g), g._version) for g in grads]
         self._checksum = _checksum(tensors)
+
+    def _over_budget(self) -> bool:
+        """True when this step must be silenced; raises under ExposurePolicy.REFUSE."""
+        if self._exposure is None:
+            return False
+        over = self._exposure.over_budget()
+        if not over:
+            return False
+        if self.config.exposure is ExposurePolicy.REFUSE:
+            self._exposure.discard()
+            raise RuntimeError(
+                f"mask_() refused: {over} example(s) of this batch were already exported "
+                f"{self._exposure.budget} time(s), the exposure budget of this configuration (noise averages "
+                "out over repeated exports). Train on fresh examples, raise lam by sqrt(K/budget) and set "
+                "AegisConfig(exposure_budget=K), or AegisConfig(exposure=ExposurePolicy.SILENCE) to export "
+                "pure noise for such steps"
+            )
+        return True
 
     def _present(self, grads: list[Tensor | None]) -> tuple[list[Tensor], str, Tensor | None]:
         """The gradients present, their modes, and their rows of the parameter table (None: all)."""
@@ -244,6 +288,11 @@ class Shield:
 
     def report(self) -> CoverageReport:
         rows = []
+        snr = {}
+        if self._params is not None and self.config.calibration is Calibration.PUBLIC:
+            table = self._params.detach().double().cpu()
+            snr = {p.name: float(rho * clip / sigma) if sigma > 0 else float("inf")
+                   for p, (rho, sigma, clip, _) in zip(self._flooded, table.tolist())}
         for p in self.plans:
             flooded = p.action.endswith("flood")
             rows.append(
@@ -255,9 +304,12 @@ class Shield:
                     rho=p.treatment.rho if flooded else None,
                     shape=tuple(p.param.shape),
                     numel=p.param.numel(),
+                    snr=snr.get(p.name),
                 )
             )
-        return CoverageReport(rows, self.config.calibration)
+        tracked = self._exposure is not None
+        return CoverageReport(rows, self.config.calibration, self.config.exposures, self.config.exposure,
+                              self._exposure.max_exposure if tracked else 0)
 
     def trainer_callback(self):
         """A ``transformers.TrainerCallback`` that masks right before each optimizer step."""
@@ -266,10 +318,13 @@ class Shield:
         return AegisCallback(self)
 
     def remove(self) -> None:
-        """Detach the optimizer hook (parameters stay frozen)."""
+        """Detach the optimizer hook and the exposure counter (parameters stay frozen)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._exposure is not None:
+            self._exposure.remove()
+            self._exposure = None
 
 
 def _checksum(tensors: list[Tensor]) -> Tensor | None:

@@ -1,0 +1,166 @@
+"""Candidate verification, repeated exposure and the label channel against the presets.
+
+For each model (default decoder, LLaMA-architecture decoder, MiniLM encoder) and each setting (the two
+presets at one export and at their exposure budget, and weakened settings that must leak: the paper's
+batch calibration, the paper's original rows rho = 0.3), the server runs:
+
+* ``secret``: which of 40 PINs completes "my pin is ____" (B = 1; B = 4 with three known sentences);
+* ``sentence``: which of 40 candidate batches (B = 1 or 4 corpus sentences) the client trained on;
+  both with every ``aegis.attacks.fingerprint`` variant on the mean of K exports (``attacks.repeated``);
+* ``labels`` (encoder): the label multiset from the head gradient at B = 1, 2, 8 (``attacks.labels``).
+
+    python benchmarks/verification.py                   # on CUDA: the Triton floods, the real cipher
+    python benchmarks/verification.py --fast-noise      # CPU: keyed torch.randn instead of ChaCha
+
+Writes verification-<card>.json to --out (default benchmarks/results).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
+
+import aegis  # noqa: E402
+from aegis import AegisConfig, Calibration, ExposurePolicy, Treatment  # noqa: E402
+from aegis.attacks import shared_gradient  # noqa: E402
+from aegis.attacks.fingerprint import VARIANTS, fingerprint_accuracies  # noqa: E402
+from aegis.attacks.labels import label_accuracy, label_leak, label_null  # noqa: E402
+from aegis.attacks.repeated import averaged_export  # noqa: E402
+from aegis.config import PRESET_EXPOSURES, PRESETS  # noqa: E402
+from aegis.data import LABELS, load_corpus  # noqa: E402
+from aegis.models import default_decoder, default_encoder  # noqa: E402
+
+PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(40)]
+ROWS = ("token_embedding", "position_embedding", "lm_head", "token_embedding_lora", "head")
+
+
+def settings() -> dict[str, tuple[AegisConfig, int]]:
+    """name -> (config, exports averaged). Exposure tracking is off: the attacker is handed K exports."""
+    base = dict(exposure=ExposurePolicy.OFF)
+    out = {}
+    for preset in PRESETS:
+        out[f"{preset} K=1"] = (AegisConfig(preset=preset, **base), 1)
+        budget = PRESET_EXPOSURES[preset]
+        if budget > 1:
+            out[f"{preset} K={budget}"] = (AegisConfig(preset=preset, **base), budget)
+    weak = Treatment("rows", lam=1.0, rho=0.3)
+    out["weak: batch calibration"] = (AegisConfig(preset="paper", calibration=Calibration.BATCH, **base), 1)
+    out["weak: rows rho 0.3"] = (AegisConfig(preset="paper", overrides={r: weak for r in ROWS}, **base), 1)
+    return out
+
+
+def build(name: str):
+    if name == "decoder":
+        return default_decoder()
+    if name == "llama":
+        return default_decoder(arch="llama")
+    return default_encoder(num_labels=len(LABELS))
+
+
+def tasks(batch_size: int, pool: list, filler: list) -> dict[str, tuple[list[list[str]], list[list[int]]]]:
+    """task -> (40 candidate batches, their labels)."""
+    secret = [[f"my pin is {v}"] + [e.text for e in filler[: batch_size - 1]] for v in PINS]
+    secret_labels = [[0] + [LABELS.index(e.label) for e in filler[: batch_size - 1]] for _ in PINS]
+    chunks = [pool[i * batch_size : (i + 1) * batch_size] for i in range(40)]
+    return {
+        "secret": (secret, secret_labels),
+        "sentence": ([[e.text for e in c] for c in chunks], [[LABELS.index(e.label) for e in c] for c in chunks]),
+    }
+
+
+def verification(model_name: str, device: torch.device, trials: list[int], log) -> list[dict]:
+    corpus = load_corpus("train")
+    rows = []
+    for setting, (config, k) in settings().items():
+        for batch_size in (1, 4):
+            for task, (cands, labels) in tasks(batch_size, corpus[:160], corpus[200:]).items():
+                model, tok = build(model_name)
+                model.to(device)
+                labels = labels if model_name == "encoder" else None
+                shield = aegis.protect(model, config=config)
+
+                def export(i: int) -> dict:
+                    label = None if labels is None else labels[i]
+                    return averaged_export(lambda: shared_gradient(model, cands[i], tok, shield=shield, labels=label), k)
+
+                start = time.time()
+                results = fingerprint_accuracies(model, tok, config, cands, trials, variants=VARIANTS,
+                                                 labels=labels, export=export)
+                for variant, r in results.items():
+                    rows.append(dict(model=model_name, setting=setting, task=task, batch_size=batch_size, exports=k,
+                                     variant=variant, accuracy=r.accuracy, null=r.null, mean_rank=r.mean_rank,
+                                     trials=r.trials))
+                best = max(results.values(), key=lambda r: r.accuracy)
+                log(f"{model_name:8s} {setting:26s} {task:8s} B={batch_size} K={k}: "
+                    + " ".join(f"{v} {r.accuracy:.3f}" for v, r in results.items())
+                    + f" (null {best.null:.3f}, {time.time() - start:.0f} s)")
+    return rows
+
+
+def labels(device: torch.device, log) -> list[dict]:
+    """The label attack on the encoder head: undefended and every setting, B = 1, 2, 8."""
+    examples = load_corpus("train")
+    rows = []
+    for setting, (config, k) in {"none K=1": (None, 1), **settings()}.items():
+        for batch_size, count in ((1, 60), (2, 40), (8, 30)):
+            model, tok = build("encoder")
+            model.to(device)
+            shield = None if config is None else aegis.protect(model, config=config)
+            gain = 1.0 if config is None else max(config.treatments["head"].rho, 1e-3)
+            scores = {"naive": 0.0, "adaptive": 0.0}
+            for i in range(count):
+                batch = examples[i * batch_size : (i + 1) * batch_size]
+                texts, truth = [e.text for e in batch], [LABELS.index(e.label) for e in batch]
+                grads = averaged_export(lambda: shared_gradient(model, texts, tok, shield=shield, labels=truth), k)
+                for name, g in (("naive", 1.0), ("adaptive", gain)):
+                    scores[name] += label_accuracy(label_leak(model, grads, batch_size, gain=g).labels, truth) / count
+            null = label_null(len(LABELS), batch_size)
+            rows.append(dict(model="encoder", setting=setting, batch_size=batch_size, exports=k, trials=count,
+                             null=null, **scores))
+            log(f"labels   {setting:26s} B={batch_size} K={k}: naive {scores['naive']:.3f} "
+                f"adaptive {scores['adaptive']:.3f} (null {null:.3f})")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="decoder,llama,encoder")
+    parser.add_argument("--trials", type=int, default=16, help="1-of-40 trials per cell")
+    parser.add_argument("--fast-noise", action="store_true", help="keyed torch.randn instead of the cipher (CPU)")
+    parser.add_argument("--skip-labels", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    if args.fast_noise:
+        import aegis_kernels.reference as ref
+        from tests.fast_noise import keyed_normals
+
+        ref.noise_components = keyed_normals
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    card = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
+    trials = [round(i * 40 / args.trials) for i in range(args.trials)]
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    rows = [r for m in args.models.split(",") for r in verification(m, device, trials, log)]
+    label_rows = [] if args.skip_labels else labels(device, log)
+    tag = "h100" if "H100" in card else "h200" if "H200" in card else "cpu"
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"verification-{tag}.json"
+    path.write_text(json.dumps(dict(card=card, torch=torch.__version__, fast_noise=args.fast_noise,
+                                    candidates=40, verification=rows, labels=label_rows), indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

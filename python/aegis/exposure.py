@@ -1,0 +1,112 @@
+"""Exposure budget: how many times one training example may leave the client inside an export.
+
+The noise of independent exports averages out as sqrt(K): an attacker who receives the same batch K
+times (local epochs, rounds over the same client data, a server resending one model) divides the noise
+by sqrt(K) and reads a signal a single export hides. Each preset promises its strength up to a number of
+exposures per example (``PRESET_EXPOSURES``); the tracker counts them and the shield enforces the budget.
+
+Examples are recognised by their token ids, read by a forward pre-hook on the model's input embedding
+(every forward under grad mode since the gradients were last empty or masked), with padding stripped so that one sentence
+padded to different lengths is one example. The digests are keyed by a per-tracker secret salt, so the
+table kept in memory does not let anyone test a guessed sentence against it.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import secrets
+from collections import Counter
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+
+class ExposurePolicy(str, enum.Enum):
+    """What ``mask_()`` does when a batch holds an example already exported ``exposure_budget`` times.
+
+    REFUSE:  raise (the default): the gradient stays unmasked, so nothing can be exported or stepped.
+    SILENCE: flood that step with rho = 0 (pure noise: the export carries nothing about the batch and
+             does not count), so federated rounds go on while the budget holds.
+    OFF:     no tracking; the preset's guarantee holds for one exposure only (``report()`` says so).
+    """
+
+    REFUSE = "refuse"
+    SILENCE = "silence"
+    OFF = "off"
+
+
+class ExposureTracker:
+    """Counts per example (token-id digest) how many masked exports carried it."""
+
+    def __init__(self, model: nn.Module, budget: int, fresh: Callable[[], bool]):
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if embeddings is None:  # a plain module: its first embedding table sees the ids
+            embeddings = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        if embeddings is None:
+            raise ValueError(
+                "exposure tracking needs an nn.Embedding (or model.get_input_embeddings()) to see the token "
+                "ids; pass "
+                "AegisConfig(exposure=ExposurePolicy.OFF) and keep each batch to one export yourself"
+            )
+        config = getattr(model, "config", None)
+        self.pad = getattr(config, "pad_token_id", None)
+        self.budget = budget
+        self._fresh = fresh  # True while no flooded gradient exists: a forward then starts a new step
+        self._salt = secrets.token_bytes(16)
+        self._counts: Counter[bytes] = Counter()
+        self._pending: set[bytes] = set()
+        self._paused = 0
+        self._handle = embeddings.register_forward_pre_hook(self._record)
+
+    def _record(self, module: nn.Module, args: tuple) -> None:
+        if self._paused or not torch.is_grad_enabled() or not args or not isinstance(args[0], Tensor):
+            return
+        ids = args[0]
+        if ids.dtype not in (torch.int64, torch.int32):
+            return
+        if self._fresh():
+            self._pending = set()  # forwards whose gradients were dropped (set_to_none) never left
+        for row in ids.reshape(-1, ids.shape[-1]).cpu():
+            self._pending.add(self._digest(row))
+
+    def _digest(self, row: Tensor) -> bytes:
+        if self.pad is not None:
+            keep = (row != self.pad).nonzero()
+            row = row[int(keep[0]) : int(keep[-1]) + 1] if len(keep) else row[:0]
+        return hashlib.blake2b(row.to(torch.int64).numpy().tobytes(), key=self._salt, digest_size=16).digest()
+
+    def paused(self) -> "_Pause":
+        """Forwards inside this context (the public calibration's) are not the client's examples."""
+        return _Pause(self)
+
+    def over_budget(self) -> int:
+        """How many examples of the pending step would exceed the budget if it were exported."""
+        return sum(self._counts[d] >= self.budget for d in self._pending)
+
+    def commit(self, carried_signal: bool) -> None:
+        """The pending step was masked: count its examples if the export carries their signal."""
+        if carried_signal:
+            self._counts.update(self._pending)
+        self._pending = set()
+
+    def discard(self) -> None:
+        self._pending = set()
+
+    @property
+    def max_exposure(self) -> int:
+        return max(self._counts.values(), default=0)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class _Pause:
+    def __init__(self, tracker: ExposureTracker):
+        self.tracker = tracker
+
+    def __enter__(self) -> None:
+        self.tracker._paused += 1
+
+    def __exit__(self, *exc) -> None:
+        self.tracker._paused -= 1
