@@ -14,7 +14,7 @@ def report_dir(tmp_path_factory):
     result = CliRunner().invoke(
         app,
         ["audit", "--quick", "--out", str(out), "--defences", "none,aegis-paper,prune-90", "--attacks", "dager,embedding_norm",
-         "--rounds", "1", "--clients", "1"],
+         "--rounds", "1", "--clients", "1", "--threads", "1"],
         env={"COLUMNS": "200"},
     )
     assert result.exit_code == 0, result.output
@@ -23,17 +23,29 @@ def report_dir(tmp_path_factory):
 
 def test_report_json_schema_and_privacy(report_dir):
     report = json.loads((report_dir / "report.json").read_text())
+    assert report["complete"]
     rows = {(r["model"], r["defence"], r["attack"]): r for r in report["results"]}
     assert set(rows) == {("decoder", d, a) for d in ("none", "aegis-paper", "prune-90") for a in ("dager", "embedding_norm")}
     for row in rows.values():
-        assert {"rouge1", "rouge2", "rougeL", "token_recall", "exact_rate", "null_rouge1"} <= row.keys()
+        assert {"rouge1", "rouge2", "rougeL", "token_recall", "exact_rate", "null", "null_token_recall", "leaks"} <= row.keys()
     assert rows["decoder", "none", "dager"]["rouge1"] >= 0.9  # undefended: the attack works
     for attack in ("dager", "embedding_norm"):
         aegis_row = rows["decoder", "aegis-paper", attack]
-        assert aegis_row["rouge1"] <= max(0.05, aegis_row["null_rouge1"] + 0.05)
+        assert aegis_row["rouge1"] <= max(0.05, aegis_row["null"] + 0.05)
+        assert not aegis_row["leaks"]
+    # prune-90 keeps the embedding rows of the input tokens: the bag of words leaks through token recall
+    # even where ROUGE-1 (word order) is near zero
+    pruned = rows["decoder", "prune-90", "embedding_norm"]
+    assert pruned["token_recall"] >= 0.5 and pruned["leaks"]
+    verdicts = {v["defence"]: v for v in report["verdicts"]}
+    assert verdicts["aegis-paper"]["holds"] and not verdicts["prune-90"]["holds"] and not verdicts["none"]["holds"]
+    assert any("embedding_norm token recall" in text for text in verdicts["prune-90"]["leaking"])
+    nulls = {(n["model"], n["attack"]) for n in report["nulls"]}
+    assert nulls == {("decoder", "dager"), ("decoder", "embedding_norm")}
     utility = {u["defence"]: u for u in report["utility"]}
     assert set(utility) == {"none", "aegis-paper", "prune-90"}
-    assert all(u["perplexity"] > 1 for u in utility.values())
+    assert all(u["metric"] == "perplexity" and u["value"] > 1 for u in utility.values())
+    assert len({u["before"] for u in utility.values()}) == 1  # one untrained reference
 
 
 def test_plot_and_html_show_what_they_claim(report_dir):
@@ -44,6 +56,14 @@ def test_plot_and_html_show_what_they_claim(report_dir):
     undefended = [r for r in report["reconstructions"] if r["defence"] == "none" and r["attack"] == "dager"]
     assert undefended and all(html.escape(r["reference"]) in page for r in undefended)
     assert "class='hit'" in page  # the undefended reconstruction is coloured token by token
+    assert "How to read this" in page and "untrained" in page and "Null baselines" in page
+    verdict_table = page.split("<h2>Verdicts")[1].split("</table>")[0]
+    assert verdict_table.count("<span class='leak'>leaks</span>") == 2  # none and prune-90
+    assert verdict_table.count("<span class='holds'>holds</span>") == 1  # aegis-paper
+    # long bags of tokens are cut with a count, no cell holds more than 60 tokens
+    assert "more tokens)" in page
+    for row in page.split("<tr>")[1:]:
+        assert row.count("<span class='hit'>") + row.count("<span class='moved'>") + row.count("<span class='miss'>") <= 60
 
 
 @pytest.mark.slow
@@ -52,21 +72,31 @@ def test_quick_audit_meets_the_bar(tmp_path):
     import time
 
     start = time.perf_counter()
-    result = CliRunner().invoke(app, ["audit", "--quick", "--out", str(tmp_path)], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(app, ["audit", "--quick", "--out", str(tmp_path), "--threads", "1"], env={"COLUMNS": "80"})
     elapsed = time.perf_counter() - start
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "report.json").read_text())
     rows = {(r["defence"], r["attack"]): r for r in report["results"]}
     defences = {d for d, _ in rows}
-    assert {"none", "aegis-paper", "aegis-utility"} <= defences
+    assert {"none", "aegis-paper", "aegis-utility", "aegis-paper-batch"} <= defences
     assert any(d.startswith("dp-noise") for d in defences) and any(d.startswith("dp-sgd") for d in defences)
     assert any(d.startswith("prune") for d in defences) and any(d.startswith("soteria") for d in defences)
     assert rows["none", "dager"]["rouge1"] >= 0.90
     for (defence, attack), row in rows.items():
-        if defence.startswith("aegis"):
+        if defence in ("aegis-paper", "aegis-utility") and row["metric"] == "rouge1":
             assert row["rouge1"] <= 0.05, (defence, attack, row["rouge1"])
-    ppl = {u["defence"]: u["perplexity"] for u in report["utility"]}
+    # the flood-level fingerprint reads the paper's batch calibration; the public calibration's level
+    # variant ties every candidate (exactly chance)
+    for attack in ("fingerprint_pool", "fingerprint_secret"):
+        assert rows["aegis-paper-batch", attack]["score"] >= 0.9
+        for defence in ("aegis-paper", "aegis-utility"):
+            assert rows[defence, attack]["variants"]["level"] <= 1 / 40 + 0.05
+        assert ("none", attack) not in rows  # n/a: no flood level to read
+    verdicts = {v["defence"]: v for v in report["verdicts"]}
+    assert not verdicts["aegis-paper-batch"]["holds"]
+    ppl = {u["defence"]: u["value"] for u in report["utility"]}
     assert ppl["aegis-utility"] <= 1.10 * ppl["none"], ppl
+    assert all(len(line) <= 80 for line in result.stdout.splitlines())
     print(f"quick audit: {elapsed:.0f} s; perplexity {ppl}")
     assert elapsed < 180
 
@@ -77,19 +107,35 @@ def test_attack_rounds_chooses_which_captured_gradients_are_attacked(tmp_path, f
     result = CliRunner().invoke(
         app,
         ["audit", "--quick", "--out", str(tmp_path), "--defences", "none", "--attacks", "embedding_norm",
-         "--rounds", "2", "--clients", "1", *flag],
+         "--rounds", "2", "--clients", "1", "--threads", "1", *flag],
         env={"COLUMNS": "200"},
     )
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "report.json").read_text())
     [row] = report["results"]
     assert row["gradients"] == attacked
-    assert report["rounds"][0]["rounds"] and len(report["rounds"][0]["rounds"]) == 2  # both rounds ran
+    assert len(report["rounds"][0]["rounds"]) == 2  # both rounds ran
     assert f"attacked {said} gradients" in (tmp_path / "report.html").read_text()
 
 
 def test_negative_attack_rounds_is_refused_with_the_fix():
-    from aegis.audit import AuditConfig
+    from aegis.audit import AuditConfig, UsageError
 
-    with pytest.raises(ValueError, match="attack_rounds=-1.*>= 0"):
+    with pytest.raises(UsageError, match="^--attack-rounds: -1: .*0 attacks every round"):
         AuditConfig(attack_rounds=-1)
+
+
+def test_label_attack_reads_the_undefended_encoder_head(tmp_path):
+    """The label attack is in the audit's table for the encoder, with its own null (uniform guessing)."""
+    from aegis.attacks.labels import label_null
+
+    result = CliRunner().invoke(
+        app, ["audit", "--out", str(tmp_path), "--models", "encoder", "--defences", "none", "--attacks", "labels",
+              "--rounds", "1", "--clients", "1", "--batch-size", "2", "--threads", "1"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    [row] = report["results"]
+    assert row["attack"] == "labels" and row["metric"] == "accuracy" and row["score"] >= 0.9
+    assert row["null"] == pytest.approx(label_null(4, 2), abs=1e-4) and row["leaks"]
+    [utility] = report["utility"]
+    assert utility["metric"] == "accuracy" and utility["chance"] == pytest.approx(0.25)
