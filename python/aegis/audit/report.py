@@ -104,17 +104,27 @@ MARKERS = ("o", "*", "P", "X", "s", "D", "^", "v", "<", ">", "h", "p", "8", "d",
 
 
 def _dodge(points: list[tuple[float, float]], log_x: bool, span: tuple[float, float]) -> list[float]:
-    """Vertical offsets so that markers at (nearly) the same place stay visible side by side."""
+    """Horizontal offsets (a share of the axis width; y stays exact, so no point crosses a threshold line)
+    so that markers at (nearly) the same place sit side by side instead of on top of each other."""
+    def pos(x: float) -> float:
+        return math.log10(max(x, 1e-12)) if log_x else x
+
+    width = max(pos(span[1]) - pos(span[0]), 1e-9)
     offsets = [0.0] * len(points)
-    lo, hi = span
     for i, (x, y) in enumerate(points):
-        for j in range(i):
-            xi = math.log10(max(x, 1e-12)) if log_x else x
-            xj = math.log10(max(points[j][0], 1e-12)) if log_x else points[j][0]
-            width = (math.log10(max(hi, 1e-12)) - math.log10(max(lo, 1e-12))) if log_x else (hi - lo)
-            if abs(xi - xj) <= 0.04 * max(width, 1e-9) and abs((y + offsets[i]) - (points[j][1] + offsets[j])) < 0.035:
-                offsets[i] = offsets[j] + 0.035
+        while any(abs(pos(x) + offsets[i] * width - pos(points[j][0]) - offsets[j] * width) < 0.025 * width
+                  and abs(y - points[j][1]) < 0.04 for j in range(i)):
+            offsets[i] = -offsets[i] + (0.03 if offsets[i] <= 0 else 0.0)  # 0, +3 %, -3 %, +6 %, ...
     return offsets
+
+
+def _shift(x: float, share: float, log_x: bool, span: tuple[float, float]) -> float:
+    if not share:
+        return x
+    if log_x:
+        width = math.log10(max(span[1], 1e-12)) - math.log10(max(span[0], 1e-12))
+        return x * 10 ** (share * max(width, 1e-9))
+    return x + share * max(span[1] - span[0], 1e-9)
 
 
 def plot(report: AuditReport, path: Path) -> None:
@@ -157,11 +167,12 @@ def plot(report: AuditReport, path: Path) -> None:
                 points.append((u.value, y))
                 keep.append(u)
             offsets = _dodge(points, metric == "perplexity", span)
-            for (x, y), dy, u in zip(points, offsets, keep):
+            for (x, y), dx, u in zip(points, offsets, keep):
                 colour, marker = style[u.defence]
                 v = verdict.get(u.defence)
                 leaking = v is not None and not v.holds
-                ax.scatter(x, y + dy, marker=marker, s=150 if marker == "*" else 80, facecolors=colour,
+                x = _shift(x, dx, metric == "perplexity", span)
+                ax.scatter(x, y, marker=marker, s=170 if marker == "*" else 95, facecolors=colour,
                            edgecolors="red" if leaking else "white", linewidths=1.8 if leaking else 0.8, zorder=4)
             ax.axhline(BROKEN_ATTACK if col == 0 else MARGIN, color="tab:red", linestyle="--", linewidth=1)
             before = utility[0].before
@@ -183,6 +194,9 @@ def plot(report: AuditReport, path: Path) -> None:
             ax.set_ylabel(ylabel)
             ax.set_ylim(-0.05, 1.1)
             ax.set_title(f"{model}: {title} vs utility")
+            if any(offsets):
+                ax.text(0.99, 0.99, "markers at the same place are set side by side", transform=ax.transAxes,
+                        ha="right", va="top", fontsize=7, color="0.4")
             ax.grid(alpha=0.3)
         handles = []
         for u in utility:
