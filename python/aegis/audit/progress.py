@@ -15,16 +15,16 @@ def _clock(seconds: float) -> str:
 
 
 class PlainProgress:
-    """``[  1m05s] 12/80 decoder · aegis-paper · round 2/3 (ETA 4m10s)`` lines, at most one per ``every``
-    seconds (and always for the first and last unit), flushed at once."""
+    """``[  1m05s]  37% decoder · aegis-paper · round 2/3 (ETA 1m50s)`` lines, at most one per ``every``
+    seconds (and always at the start and the end), flushed at once. The share is of the estimated cost."""
 
     def __init__(self, stream: TextIO | None = None, every: float = 5.0) -> None:
         self.stream = stream or sys.stderr
         self.every = every
         self.started = time.monotonic()
-        self.done, self.units, self._last = 0, 0, -1e9
+        self.done, self.units, self._last, self._count = 0.0, 0.0, -1e9, 0
 
-    def total(self, units: int) -> None:
+    def total(self, units: float) -> None:
         self.units = units
 
     def eta(self) -> str:
@@ -33,13 +33,16 @@ class PlainProgress:
         elapsed = time.monotonic() - self.started
         return _clock(elapsed / self.done * max(0, self.units - self.done))
 
-    def advance(self, label: str) -> None:
-        self.done += 1
+    def advance(self, label: str, cost: float = 1.0) -> None:
+        self.done += cost
+        self._count += 1
         now = time.monotonic()
-        if now - self._last < self.every and self.done not in (1, self.units):
+        finished = self.done >= self.units - 1e-9
+        if now - self._last < self.every and self._count > 1 and not finished:
             return
         self._last = now
-        self.stream.write(f"[{_clock(now - self.started):>6}] {self.done}/{self.units} {label} (ETA {self.eta()})\n")
+        share = min(100, round(100 * self.done / self.units)) if self.units else 0
+        self.stream.write(f"[{_clock(now - self.started):>6}] {share:3d}% {label} (ETA {self.eta()})\n")
         self.stream.flush()
 
     def hooks(self) -> Progress:
@@ -50,10 +53,10 @@ class BarProgress:
     """A rich progress bar with elapsed time and ETA (terminals only)."""
 
     def __init__(self, console) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, Progress as Bar, TaskProgressColumn, TextColumn, TimeElapsedColumn
         from rich.progress import TimeRemainingColumn
 
-        self.bar = Bar(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+        self.bar = Bar(TextColumn("{task.description}"), BarColumn(bar_width=20), TaskProgressColumn(),
                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=True)
         self.task = self.bar.add_task("audit", total=None)
 
@@ -66,4 +69,4 @@ class BarProgress:
 
     def hooks(self) -> Progress:
         return Progress(total=lambda n: self.bar.update(self.task, total=n),
-                        advance=lambda label: self.bar.update(self.task, advance=1, description=label[:38]))
+                        advance=lambda label, cost=1.0: self.bar.update(self.task, advance=cost, description=label[:38]))

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..data import Example
 from . import attacks as audit_attacks
-from .attacks import ModelContext, Target, server_copy
+from .attacks import COST, ModelContext, Target, server_copy
 from .dataset import AuditData, load
 from .options import (  # noqa: F401 (re-exported names)
     ATTACKS, DEFAULT_ATTACKS, DEFENCES, MODELS, QUICK_DEFENCES, AuditConfig, DefenceSpec, resolve_defence,
@@ -35,10 +35,11 @@ MAX_LENGTH = 64  # tokens per sentence the clients train on (a public setting of
 
 @dataclass
 class Progress:
-    """Callbacks for progress output (no-ops by default): ``total(units)``, then ``advance(label)`` per unit."""
+    """Callbacks for progress output (no-ops by default): ``total(cost)``, then ``advance(label, cost)`` as
+    work finishes (costs are rough seconds, :data:`aegis.audit.attacks.COST`)."""
 
-    total: Callable[[int], None] = lambda n: None
-    advance: Callable[[str], None] = lambda label: None
+    total: Callable[[float], None] = lambda cost: None
+    advance: Callable[[str, float], None] = lambda label, cost=1.0: None
 
 
 # -- models and batches --------------------------------------------------------------------------------------------
@@ -162,6 +163,10 @@ def federate(ctx: ModelContext, defence: DefenceSpec, batches: list[list[dict]],
     return Federation(targets, models, utility, RoundsRecord(ctx.kind, defence.name, run.rounds))
 
 
+def _round_cost(config: AuditConfig, spec: DefenceSpec) -> float:
+    return COST["round"] + (config.clients * COST["masked"] if spec.aegis is not None else 0.0)
+
+
 # -- the audit -----------------------------------------------------------------------------------------------------
 
 
@@ -180,12 +185,12 @@ def run_audit(config: AuditConfig, progress: Progress | None = None, *, data: Au
     specs = [resolve_defence(d) for d in config.defences]
     attack_rounds = config.attack_rounds or config.rounds
     targets_per_defence = config.clients * attack_rounds
-    units = 0
+    units = 0.0
     for kind in config.models:
         names = config.attacks_for(kind)
-        units += len(names)  # null baselines
+        units += len(names) * COST["null"]
         for spec in specs:
-            units += config.rounds
+            units += config.rounds * _round_cost(config, spec)
             for name in names:
                 attack = audit_attacks.make(name)
                 if attack.applies(kind, spec):
@@ -212,12 +217,12 @@ def run_audit(config: AuditConfig, progress: Progress | None = None, *, data: Au
         for attack in attacks:
             nulls[attack.name] = attack.null(ctx, first)
             report.nulls.append(nulls[attack.name])
-            progress.advance(f"{kind} · null · {attack.name}")
+            progress.advance(f"{kind} · null · {attack.name}", COST["null"])
         del first
 
         for spec in specs:
             def on_round(r: int, spec=spec) -> None:
-                progress.advance(f"{kind} · {spec.name} · round {r}/{config.rounds}")
+                progress.advance(f"{kind} · {spec.name} · round {r}/{config.rounds}", _round_cost(config, spec))
 
             fed = federate(ctx, spec, batches, examples, evaluate, before, chance, on_round)
             report.utility.append(fed.utility)
@@ -225,7 +230,7 @@ def run_audit(config: AuditConfig, progress: Progress | None = None, *, data: Au
             for attack in attacks:
                 if not attack.applies(kind, spec):
                     continue
-                tick = lambda name=attack.name, spec=spec: progress.advance(f"{kind} · {spec.name} · {name}")  # noqa: E731
+                tick = lambda cost, name=attack.name, spec=spec: progress.advance(f"{kind} · {spec.name} · {name}", cost)  # noqa: E731
                 record, recon = attack.run(ctx, spec, fed.targets, fed.models, nulls[attack.name], tick)
                 report.results.append(record)
                 report.reconstructions += recon
