@@ -92,6 +92,12 @@ def test_quick_audit_meets_the_bar(tmp_path):
         for defence in ("aegis-paper", "aegis-utility"):
             assert rows[defence, attack]["variants"]["level"] <= 1 / 40 + 0.05
         assert ("none", attack) not in rows  # n/a: no flood level to read
+    from aegis.config import AegisConfig
+
+    for defence, preset in (("aegis-paper", "paper"), ("aegis-utility", "utility")):
+        secret = rows[defence, "fingerprint_secret"]
+        budget = AegisConfig(preset=preset).exposures  # the preset's promise, read, not hard-coded
+        assert secret["exposures"] == budget and secret["refused_after"] == budget, secret
     verdicts = {v["defence"]: v for v in report["verdicts"]}
     assert not verdicts["aegis-paper-batch"]["holds"]
     ppl = {u["defence"]: u["value"] for u in report["utility"]}
@@ -139,3 +145,28 @@ def test_label_attack_reads_the_undefended_encoder_head(tmp_path):
     assert row["null"] == pytest.approx(label_null(4, 2), abs=1e-4) and row["leaks"]
     [utility] = report["utility"]
     assert utility["metric"] == "accuracy" and utility["chance"] == pytest.approx(0.25)
+
+
+def test_verdicts_read_the_worst_axis_against_the_null():
+    """Pure logic: a bag-of-words leak (token recall) counts even at ROUGE-1 0; accuracy is judged
+    against chance; the verdict says at what K it was reached."""
+    from aegis.audit.records import AttackRecord, verdicts
+
+    def text(defence, rouge1, recall, null=0.0, null_recall=0.0):
+        return AttackRecord("decoder", defence, "embedding_norm", "rouge1", rouge1, null, 2, 0.1, rouge1=rouge1,
+                            token_recall=recall, null_token_recall=null_recall)
+
+    def ident(defence, accuracy, chance, k=1, refused=None):
+        return AttackRecord("decoder", defence, "fingerprint_secret", "accuracy", accuracy, chance, 4, 0.1,
+                            exposures=k, refused_after=refused)
+
+    rows = [text("prune", 0.01, 0.92), ident("prune", 0.025, 0.025),
+            text("near-null", 0.30, 0.40, null=0.28, null_recall=0.38), ident("near-null", 0.07, 0.025),
+            text("aegis", 0.0, 0.0), ident("aegis", 0.025, 0.025, k=4, refused=4),
+            text("batch", 0.0, 0.0), ident("batch", 1.0, 0.025, k=4, refused=4)]
+    prune, near, aegis, batch = (verdicts(rows, "decoder", d) for d in ("prune", "near-null", "aegis", "batch"))
+    assert not prune.holds and prune.leaking == ["embedding_norm token recall 0.92 (null 0.00)"]
+    assert prune.worst == 0.92
+    assert near.holds  # within 0.05 of its own null on both axes, and of chance
+    assert aegis.holds and aegis.text() == "holds (K ≤ 4 exports of one batch; export 5 refused)"
+    assert not batch.holds and batch.leaking == ["fingerprint_secret accuracy 1.00 (chance 0.025) at K = 4"]

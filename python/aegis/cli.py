@@ -300,7 +300,7 @@ def results_tables(report) -> list:
         for v in verdicts:
             u = report.utility_of(model, v.defence)
             util = utility_text(u) + ("" if u is None or u.epsilon is None else f" ε {u.epsilon:.1f}")
-            text = "[green]holds[/green]" if v.holds else "[red]leaks[/red]: " + "; ".join(v.leaking)
+            text = f"[green]holds[/green] ({v.scope()})" if v.holds else "[red]leaks[/red]: " + "; ".join(v.leaking)
             t.add_row(v.defence, util, text)
         tables.append(t)
 

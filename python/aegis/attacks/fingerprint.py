@@ -118,6 +118,7 @@ class _Flooded:
     rho: float
     lam: float
     clip: float
+    snr: float
 
 
 @dataclass
@@ -161,7 +162,7 @@ class FingerprintAttack:
             mode = p.treatment.kind if p.treatment.kind == "matrix" or p.rows_axis is not None else "matrix"
             transposed = p.treatment.kind == "rows" and p.rows_axis == 1
             t = p.treatment
-            tensors.append(_Flooded(p.name, p.param, mode, transposed, t.rho, t.lam, t.clip))
+            tensors.append(_Flooded(p.name, p.param, mode, transposed, t.rho, t.lam, t.clip, t.snr))
         self.tensors = tensors
 
     # -- calibration ---------------------------------------------------------------------------------
@@ -174,7 +175,7 @@ class FingerprintAttack:
                 stats = public_statistics([t.param for t in self.tensors], [t.mode for t in self.tensors], loss, tau,
                                           [t.transposed for t in self.tensors])
             self._public = torch.stack([
-                ref.public_params(stat, t.mode, t.rho, t.lam, tau, t.clip) for stat, t in zip(stats, self.tensors)
+                ref.public_params(stat, t.mode, t.rho, t.lam, tau, t.clip, t.snr) for stat, t in zip(stats, self.tensors)
             ]).cpu()
         return self._public
 

@@ -312,15 +312,25 @@ class FingerprintPool(_Fingerprint):
 
 
 class FingerprintSecret(_Fingerprint):
-    """Secret completion: the client trains one step on "my pin is V" (B = 1) through the defence; the
-    server scores the N same-format values. ``secret_trials`` trials, seeded truths."""
+    """Secret completion: the client trains on "my pin is V" (B = 1) through the defence; the server scores
+    the N same-format values. ``secret_trials`` trials, seeded truths.
+
+    Each trial exports the secret K times, K = the configuration's exposure budget (the number of
+    exports of one example its strength is promised for: ``AegisConfig.exposures``), and the server
+    attacks the mean of the K exports (``aegis.attacks.repeated``: the noise averages as sqrt(K)). One
+    more export of the same secret is then tried: the record says whether the shield refused it."""
 
     name = "fingerprint_secret"
+
+    @staticmethod
+    def exposures(defence: DefenceSpec) -> int:
+        return int(getattr(defence.aegis, "exposures", 1) or 1)
 
     def units(self, config, targets):
         return config.secret_trials * COST["trial"] + config.candidates * COST["candidate"]
 
     def run(self, ctx, defence, targets, models, null, tick):
+        from ..attacks.repeated import averaged_export
         from ..baselines import Aegis
 
         cfg = ctx.config
@@ -330,21 +340,32 @@ class FingerprintSecret(_Fingerprint):
         secret = [Example(SECRET_TEMPLATE.format(v), label) for v in values]
         candidates = [ctx.build([e]) for e in secret]
         truths = rng.sample(range(cfg.candidates), cfg.secret_trials)
+        k = self.exposures(defence)
         client = server_copy(ctx.model)  # the client's copy of the round-1 model, protected in place
         shield = Aegis(defence.aegis).attach(client)
         t0 = time.perf_counter()
-        observations = []
+        observations, refused = [], 0
         for truth in truths:
-            _, exported = shield.step(candidates[truth])
-            observations.append(({k: v.detach().clone() for k, v in exported.items()}, truth))
+            exported = averaged_export(lambda truth=truth: shield.step(candidates[truth])[1], k)
+            observations.append((exported, truth))
+            try:
+                shield.step(candidates[truth])  # export K + 1 of the same example
+            except RuntimeError as err:
+                if "exposure budget" not in str(err):
+                    raise
+                refused += 1
             tick(COST["trial"])
         shield.detach()
         accuracy, ranks = self._score(ctx, defence, models[0], candidates, observations, tick)
         seconds = time.perf_counter() - t0
         best = max(accuracy, key=accuracy.__getitem__)
-        note = f"best variant {best}; truth's mean rank {sum(ranks) / len(ranks):.1f} of {cfg.candidates}"
+        after = (f"export {k + 1} refused" if refused == len(truths)
+                 else f"export {k + 1} accepted in {len(truths) - refused} of {len(truths)} trials")
+        note = (f"mean of K = {k} exports per trial (the exposure budget); {after}; best variant {best}; "
+                f"truth's mean rank {sum(ranks) / len(ranks):.1f} of {cfg.candidates}")
         return AttackRecord(ctx.kind, defence.name, self.name, "accuracy", accuracy[best], null.score, len(truths),
-                            round(seconds, 2), candidates=cfg.candidates, variants=accuracy, note=note), []
+                            round(seconds, 2), candidates=cfg.candidates, variants=accuracy, note=note,
+                            exposures=k, refused_after=k if refused == len(truths) else None), []
 
 
 def make(name: str) -> AuditAttack:

@@ -50,6 +50,8 @@ class AttackRecord:
     candidates: int | None = None  # 1-of-N attacks: N
     variants: dict[str, float] = field(default_factory=dict)  # fingerprint: accuracy per scoring variant
     note: str = ""
+    exposures: int = 1  # K: exports of one batch the attack read (averaged); 1 = a single export
+    refused_after: int | None = None  # the shield refused export K + 1 of the same batch (exposure budget)
 
     @property
     def privacy(self) -> float:
@@ -72,13 +74,14 @@ class AttackRecord:
 
     def headline(self) -> str:
         """'dager ROUGE-1 0.98 (null 0.12)' — the axis that leaks most."""
+        at = f" at K = {self.exposures}" if self.exposures > 1 else ""
         if self.metric == "rouge1" and self.token_recall is not None:
             recall_gap = self.token_recall - max(FLOOR, self.null_token_recall or 0.0)
             rouge_gap = self.score - max(FLOOR, self.null)
             if recall_gap > rouge_gap:
-                return f"{self.attack} token recall {self.token_recall:.2f} (null {self.null_token_recall or 0.0:.2f})"
-            return f"{self.attack} ROUGE-1 {self.score:.2f} (null {self.null:.2f})"
-        return f"{self.attack} accuracy {self.score:.2f} (chance {self.null:.3f})"
+                return f"{self.attack} token recall {self.token_recall:.2f} (null {self.null_token_recall or 0.0:.2f}){at}"
+            return f"{self.attack} ROUGE-1 {self.score:.2f} (null {self.null:.2f}){at}"
+        return f"{self.attack} accuracy {self.score:.2f} (chance {self.null:.3f}){at}"
 
 
 @dataclass(frozen=True)
@@ -131,10 +134,19 @@ class Verdict:
     leaking: list[str]  # headlines of the attacks that leak, worst first
     worst: float  # the worst of ROUGE-1 and token recall over the text attacks (the plot's privacy axis)
     calibration: str | None = None  # AEGIS: "public" or "batch"
+    exposures: int = 1  # K: the most exports of one batch any attack read (their mean)
+    refused_after: int | None = None  # the shield refused export K + 1 of one batch
+
+    def scope(self) -> str:
+        """At what K the verdict was reached."""
+        if self.exposures <= 1 and self.refused_after is None:
+            return "K = 1 export of each batch"
+        refused = f"; export {self.refused_after + 1} refused" if self.refused_after is not None else ""
+        return f"K ≤ {self.exposures} exports of one batch{refused}"
 
     def text(self) -> str:
         if self.holds:
-            return "holds"
+            return f"holds ({self.scope()})"
         return "leaks: " + "; ".join(self.leaking)
 
 
@@ -142,8 +154,10 @@ def verdicts(results: list[AttackRecord], model: str, defence: str, calibration:
     rows = [r for r in results if r.model == model and r.defence == defence]
     leaking = sorted((r for r in rows if r.leaks), key=lambda r: -r.excess)
     text = [r.privacy for r in rows if r.metric == "rouge1"]
+    k = max((r.exposures for r in rows), default=1)
+    refused = [r.refused_after for r in rows if r.exposures == k and r.refused_after is not None]
     return Verdict(model, defence, not leaking, [r.headline() for r in leaking],
-                   max(text) if text else float("nan"), calibration)
+                   max(text) if text else float("nan"), calibration, k, refused[0] if refused else None)
 
 
 def _clean(value: Any) -> Any:

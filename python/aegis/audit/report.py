@@ -288,7 +288,9 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
         "the attack. Reconstruction attacks count on their worst axis: ROUGE-1 (word order) or token recall (the bag of "
         "words). Utility is the global model after the last round beside the undefended run and the untrained model "
         "(and chance accuracy for the classifier). <code>aegis-*-batch</code> is the paper's batch calibration, kept "
-        "to reproduce the paper: its noise level fingerprints the batch.</div>")
+        "to reproduce the paper: its noise level fingerprints the batch. <i>K</i> is how many exports of one batch "
+        "an attack averaged: the federated rounds export each batch once; the secret-completion attack averages K = "
+        "the configuration's exposure budget and then checks that the shield refuses export K + 1.</div>")
     parts.append(f"<p>Data: {_e(data.get('source', ''))}; validation: {_e(data.get('validation', ''))}. "
                  f"{config.get('clients')} clients, {config.get('rounds')} rounds, batch {config.get('batch_size')}, "
                  f"seed {config.get('seed')}. {'' if report.complete else '<b>Incomplete run</b>: the rows below finished. '}"
@@ -298,7 +300,7 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
     for v in report.verdicts:
         u = report.utility_of(v.model, v.defence)
         none = report.utility_of(v.model, "none")
-        verdict = ("<span class='holds'>holds</span>" if v.holds
+        verdict = (f"<span class='holds'>holds</span> ({_e(v.scope())})" if v.holds
                    else "<span class='leak'>leaks</span>: " + _e("; ".join(v.leaking)))
         if v.calibration == "batch":
             verdict += " <i>(batch calibration)</i>"
