@@ -248,20 +248,21 @@ class _Fingerprint(AuditAttack):
 
     @staticmethod
     def _score(ctx: ModelContext, defence: DefenceSpec, model: nn.Module, candidates: list[dict[str, Tensor]],
-               observations: list[tuple[dict[str, Tensor], int]], tick) -> tuple[dict[str, float], list[float]]:
-        """Every variant's accuracy (mean P(truth first), ties at random) over the observations, scoring
-        each candidate once (its prediction is dropped before the next: the likelihood variant keeps
-        the candidate's whole signal)."""
+               observations: list[tuple[list[dict[str, Tensor]], int]], tick) -> tuple[dict[str, float], list[float]]:
+        """Every variant's accuracy (mean P(truth first), ties at random) over the trials, scoring each
+        candidate once (its prediction is dropped before the next: the likelihood variant keeps the
+        candidate's whole signal). A trial holds K independent exports of one batch; their scores add
+        (each is a negative log-likelihood), the joint test of an attacker who knows K."""
         from ..attacks.fingerprint import VARIANTS, FingerprintAttack, rank_of_truth, top_share
 
         attack = FingerprintAttack(model, defence.aegis)
-        obs = [(attack.observe(exported), truth) for exported, truth in observations]
+        obs = [([attack.observe(e) for e in exports], truth) for exports, truth in observations]
         scores = {v: [[0.0] * len(candidates) for _ in obs] for v in VARIANTS}
         for c, batch in enumerate(candidates):
             pred = attack.predict(batch, keep_signal=True)
             for v in VARIANTS:
-                for i, (o, _) in enumerate(obs):
-                    scores[v][i][c] = attack.score(o, pred, v)
+                for i, (trial, _) in enumerate(obs):
+                    scores[v][i][c] = sum(attack.score(o, pred, v) for o in trial)
             del pred
             tick(COST["candidate"])
         accuracy = {v: round(sum(top_share(s, t) for s, (_, t) in zip(scores[v], obs)) / len(obs), 4) for v in VARIANTS}
@@ -296,7 +297,7 @@ class FingerprintPool(_Fingerprint):
             candidates = [t.batch for t in round_targets] + [ctx.build(d) for d in decoys]
             t0 = time.perf_counter()
             accuracy, rk = self._score(ctx, defence, models[r - 1], candidates,
-                                       [(t.grads, i) for i, t in enumerate(round_targets)], tick)
+                                       [([t.grads], i) for i, t in enumerate(round_targets)], tick)
             seconds += time.perf_counter() - t0
             for v, a in accuracy.items():
                 record_scores.setdefault(v, []).append(a * len(round_targets))
@@ -317,8 +318,10 @@ class FingerprintSecret(_Fingerprint):
 
     Each trial exports the secret K times, K = the configuration's exposure budget (the number of
     exports of one example its strength is promised for: ``AegisConfig.exposures``), and the server
-    attacks the mean of the K exports (``aegis.attacks.repeated``: the noise averages as sqrt(K)). One
-    more export of the same secret is then tried: the record says whether the shield refused it."""
+    scores every candidate against all K exports jointly (the sum of the per-export scores: stronger
+    than attacking their mean, ``aegis.attacks.repeated``, whose noise level no longer matches a single
+    export's prediction). One more export of the same secret is then tried: the record says whether
+    the shield refused it."""
 
     name = "fingerprint_secret"
 
@@ -330,7 +333,6 @@ class FingerprintSecret(_Fingerprint):
         return config.secret_trials * COST["trial"] + config.candidates * COST["candidate"]
 
     def run(self, ctx, defence, targets, models, null, tick):
-        from ..attacks.repeated import averaged_export
         from ..baselines import Aegis
 
         cfg = ctx.config
@@ -346,8 +348,8 @@ class FingerprintSecret(_Fingerprint):
         t0 = time.perf_counter()
         observations, refused = [], 0
         for truth in truths:
-            exported = averaged_export(lambda truth=truth: shield.step(candidates[truth])[1], k)
-            observations.append((exported, truth))
+            exports = [{n: v.detach().clone() for n, v in shield.step(candidates[truth])[1].items()} for _ in range(k)]
+            observations.append((exports, truth))
             try:
                 shield.step(candidates[truth])  # export K + 1 of the same example
             except RuntimeError as err:
@@ -361,7 +363,7 @@ class FingerprintSecret(_Fingerprint):
         best = max(accuracy, key=accuracy.__getitem__)
         after = (f"export {k + 1} refused" if refused == len(truths)
                  else f"export {k + 1} accepted in {len(truths) - refused} of {len(truths)} trials")
-        note = (f"mean of K = {k} exports per trial (the exposure budget); {after}; best variant {best}; "
+        note = (f"K = {k} exports per trial (the exposure budget), scored jointly; {after}; best variant {best}; "
                 f"truth's mean rank {sum(ranks) / len(ranks):.1f} of {cfg.candidates}")
         return AttackRecord(ctx.kind, defence.name, self.name, "accuracy", accuracy[best], null.score, len(truths),
                             round(seconds, 2), candidates=cfg.candidates, variants=accuracy, note=note,

@@ -50,7 +50,7 @@ class AttackRecord:
     candidates: int | None = None  # 1-of-N attacks: N
     variants: dict[str, float] = field(default_factory=dict)  # fingerprint: accuracy per scoring variant
     note: str = ""
-    exposures: int = 1  # K: exports of one batch the attack read (averaged); 1 = a single export
+    exposures: int = 1  # K: exports of one batch the attack read together; 1 = a single export
     refused_after: int | None = None  # the shield refused export K + 1 of the same batch (exposure budget)
 
     @property
@@ -134,7 +134,7 @@ class Verdict:
     leaking: list[str]  # headlines of the attacks that leak, worst first
     worst: float  # the worst of ROUGE-1 and token recall over the text attacks (the plot's privacy axis)
     calibration: str | None = None  # AEGIS: "public" or "batch"
-    exposures: int = 1  # K: the most exports of one batch any attack read (their mean)
+    exposures: int = 1  # K: the most exports of one batch any attack read together
     refused_after: int | None = None  # the shield refused export K + 1 of one batch
 
     def scope(self) -> str:

@@ -289,8 +289,8 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
         "words). Utility is the global model after the last round beside the undefended run and the untrained model "
         "(and chance accuracy for the classifier). <code>aegis-*-batch</code> is the paper's batch calibration, kept "
         "to reproduce the paper: its noise level fingerprints the batch. <i>K</i> is how many exports of one batch "
-        "an attack averaged: the federated rounds export each batch once; the secret-completion attack averages K = "
-        "the configuration's exposure budget and then checks that the shield refuses export K + 1.</div>")
+        "an attack read: the federated rounds export each batch once; the secret-completion attack reads K = the "
+        "configuration's exposure budget jointly and then checks that the shield refuses export K + 1.</div>")
     parts.append(f"<p>Data: {_e(data.get('source', ''))}; validation: {_e(data.get('validation', ''))}. "
                  f"{config.get('clients')} clients, {config.get('rounds')} rounds, batch {config.get('batch_size')}, "
                  f"seed {config.get('seed')}. {'' if report.complete else '<b>Incomplete run</b>: the rows below finished. '}"
