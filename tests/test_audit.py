@@ -156,17 +156,30 @@ def test_verdicts_read_the_worst_axis_against_the_null():
         return AttackRecord("decoder", defence, "embedding_norm", "rouge1", rouge1, null, 2, 0.1, rouge1=rouge1,
                             token_recall=recall, null_token_recall=null_recall)
 
-    def ident(defence, accuracy, chance, k=1, refused=None):
+    def ident(defence, accuracy, chance, k=1, refused=None, p=None):
         return AttackRecord("decoder", defence, "fingerprint_secret", "accuracy", accuracy, chance, 4, 0.1,
-                            exposures=k, refused_after=refused)
+                            exposures=k, refused_after=refused, p_value=p)
 
     rows = [text("prune", 0.01, 0.92), ident("prune", 0.025, 0.025),
             text("near-null", 0.30, 0.40, null=0.28, null_recall=0.38), ident("near-null", 0.07, 0.025),
             text("aegis", 0.0, 0.0), ident("aegis", 0.025, 0.025, k=4, refused=4),
-            text("batch", 0.0, 0.0), ident("batch", 1.0, 0.025, k=4, refused=4)]
-    prune, near, aegis, batch = (verdicts(rows, "decoder", d) for d in ("prune", "near-null", "aegis", "batch"))
+            text("batch", 0.0, 0.0), ident("batch", 1.0, 0.025, k=4, refused=4, p=1e-6),
+            text("lucky", 0.0, 0.0), ident("lucky", 0.25, 0.025, p=0.3)]
+    prune, near, aegis, batch, lucky = (verdicts(rows, "decoder", d) for d in ("prune", "near-null", "aegis", "batch", "lucky"))
     assert not prune.holds and prune.leaking == ["embedding_norm token recall 0.92 (null 0.00)"]
     assert prune.worst == 0.92
     assert near.holds  # within 0.05 of its own null on both axes, and of chance
     assert aegis.holds and aegis.text() == "holds (K ≤ 4 exports of one batch; export 5 refused)"
-    assert not batch.holds and batch.leaking == ["fingerprint_secret accuracy 1.00 (chance 0.025) at K = 4"]
+    assert not batch.holds
+    assert batch.leaking == ["fingerprint_secret accuracy 1.00 (chance 0.025) at K = 4, p 1e-06 over 4 trials"]
+    # one hit in four trials of 1-of-40 is above the bar but not evidence: suspect, not a leak
+    assert lucky.holds and lucky.suspect and "suspect: fingerprint_secret" in lucky.text()
+
+
+def test_rank_sum_p_value():
+    from aegis.audit.records import rank_sum_p
+
+    assert rank_sum_p([1], 40) == pytest.approx(1 / 40)
+    assert rank_sum_p([1, 3], 40) == pytest.approx(6 / 1600)  # (1,1) (1,2) (2,1) (1,3) (3,1) (2,2)
+    assert rank_sum_p([20.5] * 4, 40) > 0.4  # every candidate tied: no evidence
+    assert rank_sum_p([1] * 4, 40) == pytest.approx(40.0 ** -4)

@@ -301,6 +301,8 @@ def results_tables(report) -> list:
             u = report.utility_of(model, v.defence)
             util = utility_text(u) + ("" if u is None or u.epsilon is None else f" ε {u.epsilon:.1f}")
             text = f"[green]holds[/green] ({v.scope()})" if v.holds else "[red]leaks[/red]: " + "; ".join(v.leaking)
+            if v.holds and v.suspect:
+                text += "; [yellow]suspect[/yellow]: " + "; ".join(v.suspect)
             t.add_row(v.defence, util, text)
         tables.append(t)
 
@@ -315,7 +317,8 @@ def results_tables(report) -> list:
             cells = []
             for a in attacks:
                 r = next((r for r in report.results if (r.model, r.defence, r.attack) == (model, v.defence, a)), None)
-                cells.append("–" if r is None else f"[{'red' if r.leaks else 'green'}]{r.privacy:.2f}[/]")
+                colour = "red" if r is not None and r.leaks else "yellow" if r is not None and r.suspect else "green"
+                cells.append("–" if r is None else f"[{colour}]{r.privacy:.2f}[/]")
             s.add_row(v.defence, *cells)
         tables.append(s)
         tables.append(LEGEND)
@@ -323,8 +326,9 @@ def results_tables(report) -> list:
 
 
 LEGEND = ("text attacks (dager, emb, mlp, spec, tag): the worst of ROUGE-1 and token recall; label, fp-pool, "
-          "fp-pin (fingerprint 1-of-N): accuracy; red: leaks (more than 0.05 above the null row); –: not "
-          "applicable (the flood-level attacks read AEGIS floods only; labels: the encoder's head)\n")
+          "fp-pin (fingerprint 1-of-N): accuracy; red: leaks (more than 0.05 above the null row; 1-of-N: and "
+          "the truth's ranks unlikely by chance, p < 0.01); yellow: suspect (above the bar on too few trials); "
+          "–: not applicable (the flood-level attacks read AEGIS floods only; labels: the encoder's head)\n")
 
 
 def _null_value(n) -> str:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from ..data import Example
 from .options import TEXT_ATTACKS, AuditConfig, DefenceSpec
-from .records import AttackRecord, NullBaseline, Reconstruction
+from .records import AttackRecord, NullBaseline, Reconstruction, rank_sum_p
 
 MAX_TOKENS = 60  # prediction tokens kept per reconstruction (the rest is counted)
 # Rough cost of one unit of work in seconds on 2 quiet cores (the quick audit's decoder): progress
@@ -248,7 +248,7 @@ class _Fingerprint(AuditAttack):
 
     @staticmethod
     def _score(ctx: ModelContext, defence: DefenceSpec, model: nn.Module, candidates: list[dict[str, Tensor]],
-               observations: list[tuple[list[dict[str, Tensor]], int]], tick) -> tuple[dict[str, float], list[float]]:
+               observations: list[tuple[list[dict[str, Tensor]], int]], tick) -> tuple[dict[str, float], dict[str, list[float]]]:
         """Every variant's accuracy (mean P(truth first), ties at random) over the trials, scoring each
         candidate once (its prediction is dropped before the next: the likelihood variant keeps the
         candidate's whole signal). A trial holds K independent exports of one batch; their scores add
@@ -266,9 +266,16 @@ class _Fingerprint(AuditAttack):
             del pred
             tick(COST["candidate"])
         accuracy = {v: round(sum(top_share(s, t) for s, (_, t) in zip(scores[v], obs)) / len(obs), 4) for v in VARIANTS}
-        best = max(VARIANTS, key=accuracy.__getitem__)
-        ranks = [rank_of_truth(s, t) for s, (_, t) in zip(scores[best], obs)]
+        ranks = {v: [rank_of_truth(s, t) for s, (_, t) in zip(scores[v], obs)] for v in VARIANTS}
         return accuracy, ranks
+
+    @staticmethod
+    def _best(accuracy: dict[str, float], ranks: dict[str, list[float]], n: int) -> tuple[str, float]:
+        """The variant the verdict rests on (highest accuracy, then lowest mean rank) and the rank-sum
+        p-value of the best variant by p, Bonferroni over the variants."""
+        best = max(accuracy, key=lambda v: (accuracy[v], -sum(ranks[v])))
+        p = min(1.0, len(ranks) * min(rank_sum_p(r, n) for r in ranks.values()))
+        return best, p
 
 
 class FingerprintPool(_Fingerprint):
@@ -283,7 +290,7 @@ class FingerprintPool(_Fingerprint):
     def run(self, ctx, defence, targets, models, null, tick):
         n = ctx.config.candidates
         record_scores: dict[str, list[float]] = {}
-        ranks: list[float] = []
+        ranks: dict[str, list[float]] = {}
         seconds, trials = 0.0, 0
         for r in sorted({t.server_round for t in targets}):
             round_targets = [t for t in targets if t.server_round == r]
@@ -301,15 +308,16 @@ class FingerprintPool(_Fingerprint):
             seconds += time.perf_counter() - t0
             for v, a in accuracy.items():
                 record_scores.setdefault(v, []).append(a * len(round_targets))
-            ranks += rk
+                ranks.setdefault(v, []).extend(rk[v])
             trials += len(round_targets)
             n = len(candidates)
         variants = {v: round(sum(s) / trials, 4) for v, s in record_scores.items()}
-        best = max(variants, key=variants.__getitem__)
-        note = (f"best variant {best}; truth's mean rank {sum(ranks) / len(ranks):.1f} of {n}; "
+        best, p = self._best(variants, ranks, n)
+        note = (f"best variant {best}; truth's mean rank {sum(ranks[best]) / len(ranks[best]):.1f} of {n}; "
                 f"batches of {len(targets[0].examples)}")
         return AttackRecord(ctx.kind, defence.name, self.name, "accuracy", variants[best], null.score, trials,
-                            round(seconds, 2), candidates=n, variants=variants, note=note), []
+                            round(seconds, 2), candidates=n, variants=variants, note=note, ranks=ranks[best],
+                            p_value=round(p, 6)), []
 
 
 class FingerprintSecret(_Fingerprint):
@@ -360,14 +368,15 @@ class FingerprintSecret(_Fingerprint):
         shield.detach()
         accuracy, ranks = self._score(ctx, defence, models[0], candidates, observations, tick)
         seconds = time.perf_counter() - t0
-        best = max(accuracy, key=accuracy.__getitem__)
+        best, p = self._best(accuracy, ranks, cfg.candidates)
         after = (f"export {k + 1} refused" if refused == len(truths)
                  else f"export {k + 1} accepted in {len(truths) - refused} of {len(truths)} trials")
         note = (f"K = {k} exports per trial (the exposure budget), scored jointly; {after}; best variant {best}; "
-                f"truth's mean rank {sum(ranks) / len(ranks):.1f} of {cfg.candidates}")
+                f"truth's mean rank {sum(ranks[best]) / len(ranks[best]):.1f} of {cfg.candidates}")
         return AttackRecord(ctx.kind, defence.name, self.name, "accuracy", accuracy[best], null.score, len(truths),
                             round(seconds, 2), candidates=cfg.candidates, variants=accuracy, note=note,
-                            exposures=k, refused_after=k if refused == len(truths) else None), []
+                            exposures=k, refused_after=k if refused == len(truths) else None, ranks=ranks[best],
+                            p_value=round(p, 6)), []
 
 
 def make(name: str) -> AuditAttack:

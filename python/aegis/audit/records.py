@@ -15,6 +15,26 @@ from typing import Any
 # paper's 0.05 bar for ROUGE-1, and "chance + 0.05" for the 1-of-N and label attacks (issues 13, 14).
 MARGIN = 0.05
 FLOOR = 0.05
+# A 1-of-N attack rests on few trials: above the bar, it leaks only when the truth's ranks are also
+# unlikely under chance (rank-sum p-value, Bonferroni over the scoring variants, below ALPHA); above the
+# bar without that evidence it is "suspect" (rerun with more trials).
+ALPHA = 0.01
+
+
+def rank_sum_p(ranks: list[float], n: int) -> float:
+    """P(a sum of len(ranks) uniform ranks on 1..n is <= the observed sum): small when the truth ranks high."""
+    if not ranks:
+        return 1.0
+    dist = [1.0]  # dist[s] = P(sum of ranks so far = s), ranks shifted to 0..n-1
+    for _ in ranks:
+        new = [0.0] * (len(dist) + n - 1)
+        for s, p in enumerate(dist):
+            if p:
+                for r in range(n):
+                    new[s + r] += p / n
+        dist = new
+    observed = math.ceil(sum(ranks) - len(ranks) - 1e-9)
+    return min(1.0, sum(dist[: max(0, observed) + 1]))
 
 
 @dataclass(frozen=True)
@@ -52,6 +72,8 @@ class AttackRecord:
     note: str = ""
     exposures: int = 1  # K: exports of one batch the attack read together; 1 = a single export
     refused_after: int | None = None  # the shield refused export K + 1 of the same batch (exposure budget)
+    ranks: list[float] = field(default_factory=list)  # 1-of-N: the truth's rank per trial (best variant)
+    p_value: float | None = None  # 1-of-N: rank-sum p-value under chance, Bonferroni over the variants
 
     @property
     def privacy(self) -> float:
@@ -69,12 +91,24 @@ class AttackRecord:
         return max(gaps)
 
     @property
-    def leaks(self) -> bool:
+    def above_bar(self) -> bool:
         return self.excess > MARGIN
+
+    @property
+    def leaks(self) -> bool:
+        """Above the bar, and (1-of-N attacks) the truth's ranks unlikely under chance."""
+        return self.above_bar and (self.p_value is None or self.p_value < ALPHA)
+
+    @property
+    def suspect(self) -> bool:
+        """Above the bar on too few trials to tell from chance."""
+        return self.above_bar and not self.leaks
 
     def headline(self) -> str:
         """'dager ROUGE-1 0.98 (null 0.12)' — the axis that leaks most."""
         at = f" at K = {self.exposures}" if self.exposures > 1 else ""
+        if self.p_value is not None:
+            at += f", p {self.p_value:.2g} over {self.gradients} trials"
         if self.metric == "rouge1" and self.token_recall is not None:
             recall_gap = self.token_recall - max(FLOOR, self.null_token_recall or 0.0)
             rouge_gap = self.score - max(FLOOR, self.null)
@@ -136,6 +170,7 @@ class Verdict:
     calibration: str | None = None  # AEGIS: "public" or "batch"
     exposures: int = 1  # K: the most exports of one batch any attack read together
     refused_after: int | None = None  # the shield refused export K + 1 of one batch
+    suspect: list[str] = field(default_factory=list)  # above the bar without the evidence to call it a leak
 
     def scope(self) -> str:
         """At what K the verdict was reached."""
@@ -146,7 +181,8 @@ class Verdict:
 
     def text(self) -> str:
         if self.holds:
-            return f"holds ({self.scope()})"
+            extra = f"; suspect: {'; '.join(self.suspect)}" if self.suspect else ""
+            return f"holds ({self.scope()}){extra}"
         return "leaks: " + "; ".join(self.leaking)
 
 
@@ -156,8 +192,9 @@ def verdicts(results: list[AttackRecord], model: str, defence: str, calibration:
     text = [r.privacy for r in rows if r.metric == "rouge1"]
     k = max((r.exposures for r in rows), default=1)
     refused = [r.refused_after for r in rows if r.exposures == k and r.refused_after is not None]
+    suspect = [r.headline() for r in sorted((r for r in rows if r.suspect), key=lambda r: -r.excess)]
     return Verdict(model, defence, not leaking, [r.headline() for r in leaking],
-                   max(text) if text else float("nan"), calibration, k, refused[0] if refused else None)
+                   max(text) if text else float("nan"), calibration, k, refused[0] if refused else None, suspect)
 
 
 def _clean(value: Any) -> Any:
@@ -197,6 +234,7 @@ class AuditReport:
                 row = asdict(item)
                 if isinstance(item, AttackRecord):
                     row["leaks"] = item.leaks
+                    row["suspect"] = item.suspect
                     row["privacy"] = item.privacy
                 if isinstance(item, Verdict):
                     row["text"] = item.text()

@@ -202,7 +202,7 @@ def plot(report: AuditReport, path: Path) -> None:
         for u in utility:
             colour, marker = style[u.defence]
             v = verdict.get(u.defence)
-            label = u.defence + ("" if v is None else ("  holds" if v.holds else "  LEAKS"))
+            label = u.defence + ("" if v is None else ("  LEAKS" if not v.holds else "  suspect" if v.suspect else "  holds"))
             handles.append(Line2D([], [], linestyle="", marker=marker, markersize=11 if marker == "*" else 8,
                                   markerfacecolor=colour, markeredgecolor="red" if v is not None and not v.holds else "white",
                                   markeredgewidth=1.8 if v is not None and not v.holds else 0.8, label=label))
@@ -252,7 +252,7 @@ table{border-collapse:collapse;margin-bottom:1.5em}td,th{border:1px solid #ccc;p
 th{background:#f3f3f3;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
 .hit{background:#b7e4b0}.moved{background:#ffd59e}.miss{color:#999}.more{color:#777;font-style:italic}
 .ref{color:#333}.empty{color:#aaa;font-style:italic}.leak{color:#b00020;font-weight:600}.holds{color:#176d2c;font-weight:600}
-.how{background:#f7f7fb;border-left:4px solid #6b6bd6;padding:.6em 1em;max-width:900px}.na{color:#aaa}
+.suspect{color:#a15c00;font-weight:600}.how{background:#f7f7fb;border-left:4px solid #6b6bd6;padding:.6em 1em;max-width:900px}.na{color:#aaa}
 """
 
 
@@ -285,7 +285,9 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
         f"when every attack stays within {MARGIN} of its <i>null baseline</i> (what the attack scores on a gradient "
         "that holds nothing of the batch: a Gaussian gradient of matched norms for the reconstruction attacks, "
         "chance for the label and 1-of-N attacks); otherwise it <span class='leak'>leaks</span>, and the verdict names "
-        "the attack. Reconstruction attacks count on their worst axis: ROUGE-1 (word order) or token recall (the bag of "
+        "the attack. The 1-of-N attacks rest on few trials: above the bar they leak only when the truth's ranks are "
+        "unlikely by chance (rank-sum p &lt; 0.01, over the scoring variants); otherwise they are "
+        "<span class='suspect'>suspect</span> (rerun with more trials). Reconstruction attacks count on their worst axis: ROUGE-1 (word order) or token recall (the bag of "
         "words). Utility is the global model after the last round beside the undefended run and the untrained model "
         "(and chance accuracy for the classifier). <code>aegis-*-batch</code> is the paper's batch calibration, kept "
         "to reproduce the paper: its noise level fingerprints the batch. <i>K</i> is how many exports of one batch "
@@ -302,6 +304,8 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
         none = report.utility_of(v.model, "none")
         verdict = (f"<span class='holds'>holds</span> ({_e(v.scope())})" if v.holds
                    else "<span class='leak'>leaks</span>: " + _e("; ".join(v.leaking)))
+        if v.holds and v.suspect:
+            verdict += "; <span class='suspect'>suspect</span>: " + _e("; ".join(v.suspect))
         if v.calibration == "batch":
             verdict += " <i>(batch calibration)</i>"
         eps = "–" if u is None or u.epsilon is None else f"{u.epsilon:.2f} (δ {u.delta:g})"
@@ -321,10 +325,12 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
                  "<th>null</th><th>ROUGE-1</th><th>ROUGE-2</th><th>ROUGE-L</th><th>token recall</th><th>exact</th>"
                  "<th>N</th><th>gradients</th><th>notes</th></tr>")
     for r in report.results:
-        score = f"<span class='{'leak' if r.leaks else 'holds'}'>{r.score:.3f}</span>"
+        score = f"<span class='{'leak' if r.leaks else 'suspect' if r.suspect else 'holds'}'>{r.score:.3f}</span>"
         notes = r.note
         if r.variants:
             notes = ", ".join(f"{k} {v:.2f}" for k, v in r.variants.items()) + ("; " + notes if notes else "")
+        if r.p_value is not None:
+            notes += f"; ranks {', '.join(f'{x:g}' for x in r.ranks)}; p {r.p_value:.2g}"
         parts.append(
             f"<tr><td>{_e(r.model)}</td><td>{_e(r.defence)}</td><td>{_e(r.attack)} ({_e(_metric_name(r))})</td>"
             f"<td class='n'>{score}</td>{_num(r.null)}{_num(r.rouge1)}{_num(r.rouge2)}{_num(r.rougeL)}"
