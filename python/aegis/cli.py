@@ -6,22 +6,16 @@ code 2; a failure during the run prints one line and keeps what finished (``--de
 from __future__ import annotations
 
 import os
-
-# Idle OpenMP threads sleep instead of spinning: with torch's default busy-wait, 2 intra-op threads on 2
-# cores shared with any other process ran the audit's steps 15x slower (a masked decoder step 33 s
-# instead of 1.5 s on a loaded 2-core machine). Read when torch loads, so it is set before any import.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import sys  # noqa: E402
-import warnings  # noqa: E402
+import sys
+import warnings
 from typing import Optional
 
-import click  # noqa: E402
-import typer  # noqa: E402
-from rich import box  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-from typer.core import TyperCommand, TyperGroup  # noqa: E402
+import click
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from typer.core import TyperCommand, TyperGroup
 
 from aegis.audit.options import ATTACKS, DEFAULT_ATTACKS, DEFENCES, MODELS, QUICK_DEFENCES
 
