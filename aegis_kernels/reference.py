@@ -358,12 +358,18 @@ def statistic(grad: Tensor, mode: str, tau: float, nonzero: bool = False) -> Ten
     return torch.stack((a.sum() / count, torch.linalg.vector_norm(g, dtype=torch.float64).float()))
 
 
-def public_params(stat: Tensor, mode: str, rho: float, lam: float, tau: float, clip_factor: float) -> Tensor:
+def public_params(stat: Tensor, mode: str, rho: float, lam: float, tau: float, clip_factor: float,
+                  snr: float = math.inf) -> Tensor:
     """Parameters from a PUBLIC batch's statistic [m_bar, M]: sigma = lam m_bar, clip = clip_factor M,
-    thr = tau M (rows). Nothing here reads the private gradient."""
+    thr = tau M (rows), and rho capped so that rho clip / sigma <= snr: the largest signal one row (rows)
+    or the tensor (matrix) can export, over the per-entry noise. Nothing here reads the private gradient."""
     m_bar, peak = stat.float().unbind()
     thr = tau * peak if mode == "rows" else torch.zeros_like(peak)
-    return torch.stack((torch.full_like(m_bar, rho), lam * m_bar, clip_factor * peak, thr))
+    sigma, clip = lam * m_bar, clip_factor * peak
+    weight = torch.full_like(m_bar, rho)
+    if math.isfinite(snr):
+        weight = torch.where(clip > 0, torch.minimum(weight, snr * sigma / clip.clamp_min(1e-30)), weight)
+    return torch.stack((weight, sigma, clip, thr))
 
 
 def batch_params(grad: Tensor, mode: str, rho: float, lam: float, tau: float) -> Tensor:

@@ -9,6 +9,10 @@ batch calibration, the paper's original rows rho = 0.3), the server runs:
   both with every ``aegis.attacks.fingerprint`` variant on the mean of K exports (``attacks.repeated``);
 * ``labels`` (encoder): the label multiset from the head gradient at B = 1, 2, 8 (``attacks.labels``).
 
+Each attack's null is its score on an export that carries nothing of the batch (``no signal: rho 0``):
+the label attack's guesses are not uniform (its counts avoid repeats), so its chance level differs from
+uniform guessing's (``null`` in the label rows).
+
     python benchmarks/verification.py                   # on CUDA: the Triton floods, the real cipher
     python benchmarks/verification.py --fast-noise      # CPU: keyed torch.randn instead of ChaCha
 
@@ -42,8 +46,9 @@ PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(40)]
 ROWS = ("token_embedding", "position_embedding", "lm_head", "token_embedding_lora", "head")
 
 
-def settings() -> dict[str, tuple[AegisConfig, int]]:
-    """name -> (config, exports averaged). Exposure tracking is off: the attacker is handed K exports."""
+def settings(sweep: tuple[float, ...] = ()) -> dict[str, tuple[AegisConfig, int]]:
+    """name -> (config, exports averaged). Exposure tracking is off: the attacker is handed K exports.
+    ``sweep``: the paper preset with every rows flood (embeddings, LM head, classifier) capped at these snr."""
     base = dict(exposure=ExposurePolicy.OFF)
     out = {}
     for preset in PRESETS:
@@ -54,6 +59,11 @@ def settings() -> dict[str, tuple[AegisConfig, int]]:
     weak = Treatment("rows", lam=1.0, rho=0.3)
     out["weak: batch calibration"] = (AegisConfig(preset="paper", calibration=Calibration.BATCH, **base), 1)
     out["weak: rows rho 0.3"] = (AegisConfig(preset="paper", overrides={r: weak for r in ROWS}, **base), 1)
+    silent = Treatment("rows", lam=1.0, rho=0.0)  # the attacks' empirical null: nothing of the batch leaves
+    out["no signal: rho 0"] = (AegisConfig(preset="paper", overrides={r: silent for r in ROWS}, **base), 1)
+    for snr in sweep:
+        capped = Treatment("rows", lam=1.0, rho=0.3, snr=snr)
+        out[f"rows snr {snr} K=1"] = (AegisConfig(preset="paper", overrides={r: capped for r in ROWS}, **base), 1)
     return out
 
 
@@ -76,10 +86,10 @@ def tasks(batch_size: int, pool: list, filler: list) -> dict[str, tuple[list[lis
     }
 
 
-def verification(model_name: str, device: torch.device, trials: list[int], log) -> list[dict]:
+def verification(model_name: str, device: torch.device, trials: list[int], chosen: dict, log) -> list[dict]:
     corpus = load_corpus("train")
     rows = []
-    for setting, (config, k) in settings().items():
+    for setting, (config, k) in chosen.items():
         for batch_size in (1, 4):
             for task, (cands, labels) in tasks(batch_size, corpus[:160], corpus[200:]).items():
                 model, tok = build(model_name)
@@ -105,16 +115,15 @@ def verification(model_name: str, device: torch.device, trials: list[int], log) 
     return rows
 
 
-def labels(device: torch.device, log) -> list[dict]:
-    """The label attack on the encoder head: undefended and every setting, B = 1, 2, 8."""
+def labels(device: torch.device, chosen: dict, log, rows: list[dict], save) -> None:
+    """The label attack on the encoder head: undefended and every setting, B = 1, 2, 8 (appended to ``rows``)."""
     examples = load_corpus("train")
-    rows = []
-    for setting, (config, k) in {"none K=1": (None, 1), **settings()}.items():
-        for batch_size, count in ((1, 60), (2, 40), (8, 30)):
+    for setting, (config, k) in {"none K=1": (None, 1), **chosen}.items():
+        for batch_size, count in ((1, 120), (2, 60), (8, 40)):
             model, tok = build("encoder")
             model.to(device)
             shield = None if config is None else aegis.protect(model, config=config)
-            gain = 1.0 if config is None else max(config.treatments["head"].rho, 1e-3)
+            gain = 1.0 if shield is None else _head_rho(model, tok, shield)
             scores = {"naive": 0.0, "adaptive": 0.0}
             for i in range(count):
                 batch = examples[i * batch_size : (i + 1) * batch_size]
@@ -127,15 +136,29 @@ def labels(device: torch.device, log) -> list[dict]:
                              null=null, **scores))
             log(f"labels   {setting:26s} B={batch_size} K={k}: naive {scores['naive']:.3f} "
                 f"adaptive {scores['adaptive']:.3f} (null {null:.3f})")
-    return rows
+            save()
+
+
+def _head_rho(model, tok, shield) -> float:
+    """The classifier's public signal weight (after the snr cap): the adaptive attacker's gain."""
+    shared_gradient(model, ["a public probe sentence"], tok, shield=shield, labels=[0])  # calibrates
+    names = [p.name for p in shield._flooded]
+    if "classifier.weight" not in names:
+        return 1.0
+    if shield._params is None:  # the batch calibration: rho as configured
+        return max(shield.config.treatments["head"].rho, 1e-6)
+    return max(float(shield._params[names.index("classifier.weight"), 0]), 1e-6)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="decoder,llama,encoder")
-    parser.add_argument("--trials", type=int, default=16, help="1-of-40 trials per cell")
+    parser.add_argument("--trials", type=int, default=40, help="1-of-40 trials per cell")
     parser.add_argument("--fast-noise", action="store_true", help="keyed torch.randn instead of the cipher (CPU)")
     parser.add_argument("--skip-labels", action="store_true")
+    parser.add_argument("--snr-sweep", default="", help="comma-separated rows snr caps to add as settings")
+    parser.add_argument("--settings", default="", help="comma-separated name prefixes to run (default: all)")
+    parser.add_argument("--append", action="store_true", help="merge into an existing result file in --out")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     if args.fast_noise:
@@ -146,19 +169,34 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     card = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     trials = [round(i * 40 / args.trials) for i in range(args.trials)]
-    lines: list[str] = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = "h100" if "H100" in card else "h200" if "H200" in card else "cpu"
+    path = args.out / f"verification-{tag}.json"
+    progress = args.out / f"verification-{tag}.log"
+    progress.write_text(f"{card}\n")
 
     def log(line: str) -> None:
         print(line, flush=True)
-        lines.append(line)
+        with progress.open("a") as f:
+            f.write(line + "\n")
 
-    rows = [r for m in args.models.split(",") for r in verification(m, device, trials, log)]
-    label_rows = [] if args.skip_labels else labels(device, log)
-    tag = "h100" if "H100" in card else "h200" if "H200" in card else "cpu"
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"verification-{tag}.json"
-    path.write_text(json.dumps(dict(card=card, torch=torch.__version__, fast_noise=args.fast_noise,
-                                    candidates=40, verification=rows, labels=label_rows), indent=1))
+    chosen = settings(tuple(float(x) for x in args.snr_sweep.split(",") if x))
+    if args.settings:
+        prefixes = tuple(args.settings.split(","))
+        chosen = {k: v for k, v in chosen.items() if k.startswith(prefixes)}
+    old = json.loads(path.read_text()) if args.append and path.exists() else {"verification": [], "labels": []}
+    rows = [r for r in old["verification"] if r["setting"] not in chosen]
+    label_rows = [r for r in old["labels"] if r["setting"] not in chosen and (r["setting"] != "none K=1" or args.skip_labels)]
+
+    def save() -> None:  # after every model: a late failure loses nothing
+        path.write_text(json.dumps(dict(card=card, torch=torch.__version__, fast_noise=args.fast_noise,
+                                        candidates=40, verification=rows, labels=label_rows), indent=1))
+
+    for name in args.models.split(","):
+        rows += verification(name, device, trials, chosen, log)
+        save()
+    if not args.skip_labels:
+        labels(device, chosen, log, label_rows, save)
     print(f"wrote {path}")
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -53,12 +54,16 @@ class Treatment:
     lam: float = 0.0
     rho: float = 1.0
     clip: float = 2.0  # public calibration: private norms clipped to clip x the public batch's largest
+    # public calibration: rho is lowered where needed so that rho * clip / sigma <= snr, the signal one
+    # row (rows) or the tensor (matrix) can export over the per-entry noise (inf: no cap)
+    snr: float = math.inf
 
     def __post_init__(self) -> None:
         if self.kind not in ("frozen", "rows", "matrix"):
             raise ValueError(f"Treatment kind={self.kind!r}: use 'frozen', 'rows' or 'matrix'")
-        if self.kind != "frozen" and (self.lam < 0 or self.rho < 0 or not self.clip > 0):
-            raise ValueError(f"Treatment lam={self.lam}, rho={self.rho}, clip={self.clip}: lam, rho >= 0 and clip > 0")
+        if self.kind != "frozen" and (self.lam < 0 or self.rho < 0 or not self.clip > 0 or not self.snr >= 0):
+            raise ValueError(f"Treatment lam={self.lam}, rho={self.rho}, clip={self.clip}, snr={self.snr}: "
+                             "lam, rho, snr >= 0 and clip > 0")
 
     def describe(self) -> str:
         return "frozen" if self.kind == "frozen" else f"{self.kind} flood"
@@ -67,20 +72,20 @@ class Treatment:
 FROZEN = Treatment("frozen")
 
 # What an attacker reads. A server holding the model computes any candidate batch's gradient and
-# correlates it with the export (candidate verification, aegis.attacks.fingerprint "likelihood"): its
-# signal-to-noise ratio is rho * clip / sigma per row (rows floods) or per tensor (matrix floods), shown
-# as ``ReportRow.snr``. With the public calibration sigma = lam * m_bar and clip = clip x M come from the
-# public batch. Rows: SNR ~ 2 rho (M / m_bar) / lam per row, a few per token. Matrix floods: SNR grows
-# as sqrt(numel) (m_bar is a per-entry mean, the clip a Frobenius norm), ~100 at rho 0.3 on an MLP
-# matrix, so no matrix flood with rho > 0 survives verification at a strength that still trains.
+# correlates it with the export (candidate verification: aegis.attacks.fingerprint "likelihood"). Its
+# signal-to-noise ratio is rho * clip / sigma per row (rows floods) or per tensor (matrix floods), a
+# public constant under the public calibration, capped by ``Treatment.snr`` and shown as ``ReportRow.snr``.
+# K exports of one batch average to snr * sqrt(K) (``PRESET_EXPOSURES`` bounds K).
 #
-# Measured on CPU (docs/attacks.md): the matched filter picks a 4-digit PIN among 40 (B = 1) at 1.00
-# with the paper's rows rho = 0.3, 0.06 at 0.03 (0.19 over 4 exports), 0.00 at 0.01; the label attack
-# on a 4-class head reads B = 1 labels at 0.62 with rho 0.3 and at chance (0.25) with rho 0.03.
+# Measured on an H100 with the real cipher (benchmarks/results/verification-h100.json, 1-of-40, 40
+# trials, decoder / LLaMA / encoder, B = 1 and 4): rows snr 0.2 -> up to 0.20 (sentence), 0.1 -> up to
+# 0.125, 0.05 -> at most 0.075 (the bar 1/40 + 0.05), 0.025 -> at most 0.025; label attack on the
+# 4-class head at snr 0.05: 0.21 / 0.31 / 0.31 at B = 1 / 2 / 8 (nulls 0.25 / 0.39 / 0.66). The paper's
+# rows rho = 0.3 uncapped is snr ~ 3 per token row: 1.00.
 
-# The paper's structure (DESIGN §3 table): attention frozen, MLP / norm / bias floods with rho = 0. Its
-# rows rho of 0.3 is lowered to what holds over PRESET_EXPOSURES["paper"] exports (rho * sqrt(K)).
-_PAPER_ROWS = Treatment("rows", lam=1.0, rho=0.01)
+# The paper's structure (DESIGN §3 table): attention frozen, MLP / norm / bias floods with rho = 0, rows
+# floods with the paper's lam and rho, capped at snr 0.02: 0.04 over PRESET_EXPOSURES["paper"] = 4 exports.
+_PAPER_ROWS = Treatment("rows", lam=1.0, rho=0.3, snr=0.02)
 PAPER: Mapping[str, Treatment] = MappingProxyType(
     {
         "attention": FROZEN,
@@ -100,8 +105,8 @@ PAPER: Mapping[str, Treatment] = MappingProxyType(
 
 # Trains what can carry signal, freezes the rest: a rho = 0 flood carries nothing yet moves the weights
 # on a random walk of ~lr per step under Adam, so MLP, norms and biases are frozen instead; the rows
-# floods get the rho that holds for one exposure of each example.
-_UTILITY_ROWS = Treatment("rows", lam=1.0, rho=0.02)
+# floods get twice the paper's snr, which holds for one exposure of each example.
+_UTILITY_ROWS = Treatment("rows", lam=1.0, rho=0.3, snr=0.04)
 UTILITY: Mapping[str, Treatment] = MappingProxyType(
     {
         **PAPER,
@@ -109,7 +114,7 @@ UTILITY: Mapping[str, Treatment] = MappingProxyType(
         "token_embedding_lora": _UTILITY_ROWS,
         "position_embedding": _UTILITY_ROWS,
         "lm_head": _UTILITY_ROWS,
-        "head": Treatment("rows", lam=1.0, rho=0.03),
+        "head": _UTILITY_ROWS,
         "mlp": FROZEN,
         "norm": FROZEN,
         "bias": FROZEN,

@@ -115,7 +115,7 @@ class Shield:
         with self._untracked():
             stats = public_statistics([p.param for p in self._flooded], self._modes, self._loss, tau, self._transposed)
         table = torch.stack([
-            ref.public_params(stat, mode, p.treatment.rho, p.treatment.lam, tau, p.treatment.clip)
+            ref.public_params(stat, mode, p.treatment.rho, p.treatment.lam, tau, p.treatment.clip, p.treatment.snr)
             for stat, mode, p in zip(stats, self._modes, self._flooded)
         ])
         if self._params is None or self._params.device != table.device:
