@@ -20,6 +20,7 @@ from aegis.attacks.labels import find_head, infer_labels, label_accuracy, label_
 from aegis.data import LABELS, load_corpus
 from aegis.metrics import null_gradient
 from aegis.models import default_encoder
+from fast_noise import fast_noise  # noqa: F401  (fixture)
 
 EXAMPLES = load_corpus("validation")
 C = len(LABELS)
@@ -245,3 +246,39 @@ def test_label_leak_under_weak_head_flood(encoder, monkeypatch):
         adaptive = mean_accuracy(model, cases, gain=WEAK_HEAD.rho)
         print(f"weak head flood B={size}: label accuracy {adaptive:.3f} (gain=rho), {naive:.3f} (gain=1)")
         assert adaptive >= 0.9
+
+
+# -- the presets hold -----------------------------------------------------------------------------------------------
+# The head's output layer gets a rows flood over the labels, capped at the preset's snr (config.py). The bar: the
+# attack's accuracy stays within 0.05 of its own chance level, measured as the same attack on an export that carries
+# nothing of the batch (rho = 0: its guesses are not uniform, so uniform guessing's label_null is not its chance
+# level), and of label_null.
+
+HOLD_BATCHES = {1: 80, 2: 60, 8: 20}
+TRAIN = load_corpus("train")
+
+
+def preset_accuracy(encoder, preset: str, size: int, silent: bool) -> float:
+    """Mean label accuracy of the attack with the public gain (the head's signal weight after the snr cap)."""
+    model, tok = encoder
+    model = copy.deepcopy(model)
+    gain = aegis.protect(copy.deepcopy(model), config=aegis.AegisConfig(preset=preset)).public_params()["classifier.weight"][0]
+    overrides = {"head": aegis.Treatment("rows", lam=1.0, rho=0.0)} if silent else {}
+    shield = aegis.protect(model, config=aegis.AegisConfig(preset=preset, seed=11 + size, overrides=overrides))
+    total = 0.0
+    for index in range(HOLD_BATCHES[size]):
+        examples = TRAIN[index * size : (index + 1) * size]
+        texts, labels = [e.text for e in examples], [LABELS.index(e.label) for e in examples]
+        grads = shared_gradient(model, texts, tok, shield=shield, labels=labels)
+        total += label_accuracy(infer_labels(model, grads, size, gain=gain), labels) / HOLD_BATCHES[size]
+    return total
+
+
+@pytest.mark.parametrize("preset", ["paper", "utility"])
+@pytest.mark.parametrize("size", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
+def test_presets_keep_the_label_attack_at_chance(encoder, fast_noise, preset, size):
+    attacked = preset_accuracy(encoder, preset, size, silent=False)
+    chance = preset_accuracy(encoder, preset, size, silent=True)
+    print(f"{preset} B={size}: label accuracy {attacked:.3f}, same attack without signal {chance:.3f}, "
+          f"uniform {label_null(C, size):.3f}")
+    assert attacked <= max(chance, label_null(C, size)) + 0.05

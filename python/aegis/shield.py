@@ -124,6 +124,16 @@ class Shield:
             self._params.copy_(table)  # in place: a captured graph reads this address
         self._calibrated_step = self._step
 
+    def public_params(self) -> dict[str, tuple[float, float, float, float]]:
+        """{name: (rho, sigma, clip, thr)} of every flooded tensor under the public calibration (computed
+        now if it has not run yet): public constants, what a server may know (never the key)."""
+        if self.config.calibration is not Calibration.PUBLIC:
+            raise ValueError("public_params(): Calibration.BATCH computes them from each private batch")
+        if self._params is None:
+            self.calibrate()
+        table = [] if self._params is None else self._params.detach().double().cpu().tolist()
+        return {p.name: tuple(row) for p, row in zip(self._flooded, table)}
+
     def _untracked(self):
         """Forwards on the public calibration batch are not exposures of the client's examples."""
         return self._exposure.paused() if self._exposure is not None else contextlib.nullcontext()
@@ -242,6 +252,12 @@ class Shield:
             self._state = torch.cat([master, torch.tensor([self._step])]).to(device)
             self._state_pid = os.getpid()
         return self._state
+
+    @property
+    def flood_graph_counts(self) -> dict[str, int]:
+        """{"replays": n, "captures": n} of the CUDA-graph flood (``config.cuda_graph``); {} before one exists."""
+        graphed = self._graphed
+        return {} if graphed is None else {"replays": graphed.replays, "captures": graphed.captures}
 
     @property
     def is_masked(self) -> bool:
