@@ -139,6 +139,24 @@ def labels(device: torch.device, chosen: dict, log, rows: list[dict], save) -> N
             save()
 
 
+def pooled(rows: list[dict]) -> list[dict]:
+    """Per setting and variant, the hits over every cell against 1/40: one cell of 40 trials puts a
+    chance-level attacker at >= 4 hits (0.10) 2 % of the time, so a leak shows in the pool first."""
+    from scipy.stats import binom
+
+    out = []
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        for variant in VARIANTS:
+            cells = [r for r in rows if r["setting"] == setting and r["variant"] == variant]
+            hits = round(sum(r["accuracy"] * r["trials"] for r in cells), 3)
+            n = sum(r["trials"] for r in cells)
+            null = cells[0]["null"]
+            out.append(dict(setting=setting, variant=variant, cells=len(cells), trials=n, accuracy=hits / n, null=null,
+                            worst_cell=max(r["accuracy"] for r in cells),
+                            p_value=float(binom.sf(max(int(-(-hits // 1)) - 1, -1), n, null))))
+    return out
+
+
 def _head_rho(model, tok, shield) -> float:
     """The classifier's public signal weight (after the snr cap): the adaptive attacker's gain."""
     shared_gradient(model, ["a public probe sentence"], tok, shield=shield, labels=[0])  # calibrates
@@ -190,13 +208,18 @@ def main() -> None:
 
     def save() -> None:  # after every model: a late failure loses nothing
         path.write_text(json.dumps(dict(card=card, torch=torch.__version__, fast_noise=args.fast_noise,
-                                        candidates=40, verification=rows, labels=label_rows), indent=1))
+                                        candidates=40, pooled=pooled(rows), verification=rows, labels=label_rows),
+                                   indent=1))
 
     for name in args.models.split(","):
         rows += verification(name, device, trials, chosen, log)
         save()
     if not args.skip_labels:
         labels(device, chosen, log, label_rows, save)
+    for p in pooled(rows):
+        if p["variant"] == "likelihood":
+            print(f"{p['setting']:28s} pooled {p['accuracy']:.3f} over {p['trials']} trials (null {p['null']:.3f}, "
+                  f"p = {p['p_value']:.3f}), worst cell {p['worst_cell']:.3f}")
     print(f"wrote {path}")
 
 
