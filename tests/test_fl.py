@@ -2,6 +2,8 @@
 import copy
 import math
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -12,7 +14,8 @@ import transformers
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 
 from aegis import AegisConfig, protect
-from aegis.baselines import DPSGD, NoDefence, lm_loss
+from aegis.baselines import DPSGD
+from aegis.defence import NoDefence, lm_loss
 from aegis.fl import (
     AegisMod,
     ClientTrainer,
@@ -480,13 +483,38 @@ def test_documented_flower_app_config_is_valid_for_this_flwr(tmp_path):
     ok, errors, _ = validate_config(config, check_module=True, project_dir=tmp_path)
     assert ok, errors
     assert config["tool"]["flwr"]["app"]["components"] == {
-        "serverapp": "aegis.fl.app:server_app",
-        "clientapp": "aegis.fl.app:client_app",
+        "serverapp": "aegis.fl.server_app:app",
+        "clientapp": "aegis.fl.client_app:app",
     }
 
 
+def test_earlier_app_config_names_still_resolve():
+    from aegis.fl import app, client_app, server_app
+
+    assert app.server_app is server_app.app and app.client_app is client_app.app
+
+
+def test_product_path_never_imports_the_comparators():
+    """aegis.fl, the shield and the defence interface run AEGIS without loading aegis.baselines."""
+    code = (
+        "import sys\n"
+        "import aegis, aegis.defence, aegis.fl, aegis.fl.app\n"
+        "from aegis.fl import run_rounds\n"
+        "import torch, transformers\n"
+        "cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)\n"
+        "torch.manual_seed(0)\n"
+        "ids = torch.randint(0, 50, (2, 5))\n"
+        "batch = {'input_ids': ids, 'labels': ids}\n"
+        "run = run_rounds(transformers.GPT2LMHeadModel(cfg), [[batch], [batch]], rounds=1, defence='aegis-utility')\n"
+        "assert len(run.captured[0]) == 2\n"
+        "print('aegis.baselines' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
 def test_simulate_runs_the_app_server_and_clients_in_process():
-    from aegis.fl.app import simulate
+    from aegis.fl import simulate
 
     server, grid = simulate(2, {"num-server-rounds": 1, "model-layers": 1, "model-width": 32, "model-heads": 2})
     losses = server.state["evaluation"]["validation-loss"]

@@ -1,17 +1,15 @@
-"""Defences AEGIS is compared against, behind one small interface shared with AEGIS itself.
+"""Defences AEGIS is compared against, behind the :class:`~aegis.defence.Defence` interface it shares.
 
-A :class:`Defence` is attached to one model (and optionally its optimizer) and then drives one training
-step in three calls, so that ``benchmarks/overhead.py`` can time each part and the audit can capture
-what a client would share::
+Every comparator is a :class:`Defence` (:mod:`aegis.defence`: attach, backward, ``defend_``, export), so
+``benchmarks/overhead.py`` times each part and the audit captures what a client would share::
 
     defence = Pruning(0.9).attach(model, optimizer)
     loss = defence.backward(batch, loss_fn)   # forward + backward (DP-SGD: per-sample gradients)
     defence.defend_()                          # rewrite p.grad in place
     shared = defence.export()                  # {name: gradient} of trainable parameters (what leaves)
-    optimizer.step()
 
-``defence.step(batch, loss_fn)`` does zero-grad, backward, defend and export in one go.
-``loss_fn(model, batch) -> scalar`` defaults to :func:`lm_loss` (``model(**batch).loss``, mean reduction).
+The interface, :class:`NoDefence`, :class:`Aegis` and :func:`lm_loss` are re-exported from
+:mod:`aegis.defence`; the product path (``aegis.fl``, the shield) never imports this module.
 
 The baselines (``make_defence`` parses their names, e.g. ``"dp-noise-0.01"``, ``"prune-90"``):
 
@@ -34,128 +32,22 @@ import math
 import re
 import secrets
 import warnings
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 
 from .config import AegisConfig
-from .shield import Shield, protect
+from .defence import Aegis, Batch, Defence, LossFn, NoDefence, core_defence, lm_loss, trainable_gradients
 
-Batch = Mapping[str, Any]
-LossFn = Callable[[nn.Module, Batch], Tensor]
+__all__ = [
+    "DPSGD", "DP_NOISE_SIGMAS", "PRUNING_FRACTIONS", "Aegis", "Batch", "Defence", "GaussianNoise", "LossFn",
+    "NoDefence", "Pruning", "Soteria", "add_noise", "add_noise_", "default_baselines", "lm_loss", "make_defence",
+    "prune", "prune_", "trainable_gradients",
+]
 
 DP_NOISE_SIGMAS = (1e-3, 1e-2, 1e-1)
 PRUNING_FRACTIONS = (0.5, 0.9, 0.99)
-
-
-def lm_loss(model: nn.Module, batch: Batch) -> Tensor:
-    """The model's own loss (HF models return ``.loss`` when the batch has ``labels``)."""
-    return model(**batch).loss
-
-
-def trainable_gradients(model: nn.Module) -> dict[str, Tensor]:
-    """{name: gradient copy} of every trainable parameter (zeros where backward left none)."""
-    return {
-        name: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
-
-
-class Defence:
-    """Base class: no defence. Subclasses override ``_setup``, ``backward`` and/or ``defend_``."""
-
-    name = "none"
-
-    def __init__(self) -> None:
-        self.model: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> "Defence":
-        """Bind to ``model`` (one model per defence object: state such as DP accounting is per client)."""
-        if self.model is not None:
-            if self.model is model:
-                return self
-            raise RuntimeError(f"{self.name}: already attached to another model; create one defence per model")
-        self.model, self.optimizer = model, optimizer
-        self._setup()
-        return self
-
-    def _setup(self) -> None:
-        pass
-
-    def _bound(self) -> nn.Module:
-        if self.model is None:
-            raise RuntimeError(f"{self.name}: call attach(model) first")
-        return self.model
-
-    def backward(self, batch: Batch, loss_fn: LossFn = lm_loss) -> Tensor:
-        """Forward and backward on ``batch``; returns the detached loss."""
-        loss = loss_fn(self._bound(), batch)
-        loss.backward()
-        return loss.detach()
-
-    def defend_(self) -> None:
-        """Rewrite the gradients in place (after ``backward``, before the optimizer step)."""
-
-    def export(self) -> dict[str, Tensor]:
-        """What the client shares: {name: gradient} of the trainable parameters."""
-        return trainable_gradients(self._bound())
-
-    def step(self, batch: Batch, loss_fn: LossFn = lm_loss) -> tuple[Tensor, dict[str, Tensor]]:
-        """zero-grad, backward, defend, export: one client's shared gradient for ``batch``."""
-        for p in self._bound().parameters():
-            p.grad = None
-        loss = self.backward(batch, loss_fn)
-        self.defend_()
-        return loss, self.export()
-
-    def report(self) -> dict[str, float]:
-        """Numbers worth printing next to the results (e.g. DP-SGD's ε)."""
-        return {}
-
-    def detach(self) -> None:
-        """Remove hooks this defence installed (parameters frozen by AEGIS stay frozen)."""
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name}>"
-
-
-class NoDefence(Defence):
-    """The undefended baseline: the plain gradient is shared."""
-
-
-class Aegis(Defence):
-    """AEGIS through the common interface: ``protect`` at attach, ``mask_`` as the defence, masked export."""
-
-    def __init__(self, config: AegisConfig | None = None) -> None:
-        super().__init__()
-        self.config = config or AegisConfig()
-        self.name = f"aegis-{self.config.preset}" if isinstance(self.config.preset, str) else "aegis"
-        self.shield: Shield | None = None
-
-    def _setup(self) -> None:
-        self.shield = protect(self.model, self.optimizer, self.config)
-
-    def _shield(self) -> Shield:
-        if self.shield is None:
-            raise RuntimeError(f"{self.name}: call attach(model) first")
-        return self.shield
-
-    def defend_(self) -> None:
-        self._shield().mask_()
-
-    def export(self) -> dict[str, Tensor]:
-        return self._shield().export()
-
-    def report(self) -> dict[str, float]:
-        graphed = self._shield()._graphed
-        return {} if graphed is None else {"flood_graph_replays": graphed.replays, "flood_graph_captures": graphed.captures}
-
-    def detach(self) -> None:
-        if self.shield is not None:
-            self.shield.remove()
 
 
 class GaussianNoise(Defence):
@@ -509,10 +401,9 @@ def make_defence(spec: str) -> Defence:
     """A defence from its name: "none", "aegis", "aegis-utility", "dp-noise-0.01", "prune-90",
     "soteria-80" (or "soteria"), "dp-sgd" or "dp-sgd-C1-z1" (C = clipping norm, z = noise multiplier)."""
     spec = spec.strip().lower()
-    if spec in ("none", "undefended"):
-        return NoDefence()
-    if spec == "aegis" or spec.startswith("aegis-"):
-        return Aegis(AegisConfig(preset=spec.partition("-")[2] or "paper"))
+    core = core_defence(spec)
+    if core is not None:
+        return core
     if spec.startswith("dp-sgd"):
         match = re.fullmatch(r"dp-sgd(?:-c(?P<c>[0-9.e+-]+)-z(?P<z>[0-9.e+-]+))?", spec)
         if match:

@@ -1,21 +1,26 @@
-"""AEGIS on Flower (DESIGN §5): FedSGD gradient sharing with a client mod that fails closed.
+"""AEGIS on Flower (docs: ``python/aegis/fl/README.md``): FedSGD gradient sharing with a client mod that
+fails closed. Laid out as a Flower app:
 
-* :class:`ClientTrainer` — the ClientApp train function: batch gradient, defence, fp32 reply.
-* :class:`AegisMod` — configures AEGIS from ``context.run_config``; refuses replies that were not masked.
-* :class:`FedSGD` — server strategy: weighted mean of client gradients, server optimizer step,
+* :mod:`~aegis.fl.client` — :class:`ClientTrainer` (the train function: batch gradient, defence, fp32
+  reply) and :class:`AegisMod` (configures AEGIS from ``context.run_config``; refuses unmasked replies).
+* :mod:`~aegis.fl.client_app` / :mod:`~aegis.fl.server_app` — ``app`` for ``flwr run``.
+* :mod:`~aegis.fl.strategy` — :class:`FedSGD`: weighted mean of client gradients, server optimizer step,
   failed / missing / malformed replies tolerated and counted.
-* ``aegis.fl.app`` — ``server_app`` / ``client_app`` for ``flwr run``, :func:`simulate` (the same apps
-  in process) and :func:`run_rounds` (the audit's runner: every shared gradient captured at the server).
+* :mod:`~aegis.fl.task` — the app's model, data and validation loss.
+* :mod:`~aegis.fl.simulation` — :func:`simulate` (the same apps in process, no Ray) over
+  :class:`InProcessGrid`; :func:`flower_runtime`, the one setter of a Flower internal.
+* :mod:`~aegis.fl.rounds` — :func:`run_rounds`, the audit's runner: every shared gradient captured.
 
-Imports only ``flwr.app``, ``flwr.clientapp`` and ``flwr.serverapp`` (plus one isolated internal
-setter in :func:`aegis.fl.app.flower_runtime`); ``import aegis`` itself never imports Flower.
+Imports only ``flwr.app``, ``flwr.clientapp`` and ``flwr.serverapp`` (plus the isolated internal setter
+in :func:`flower_runtime`); ``import aegis`` itself never imports Flower, and ``aegis.fl`` never imports
+the comparators (:mod:`aegis.baselines`) unless a run names one.
 """
+
 try:
     import flwr  # noqa: F401
 except ImportError as err:
-    raise ImportError("aegis.fl needs Flower: pip install 'flwr>=1.42'") from err
+    raise ImportError("aegis.fl needs Flower: pip install 'aegis-flood[fl]'") from err
 
-from .app import FederatedRun, InProcessGrid, SharedGradient, flower_runtime, run_rounds, simulate
 from .client import (
     AegisMod,
     ClientTrainer,
@@ -27,6 +32,8 @@ from .client import (
     pack_masked,
     trainable_arrays,
 )
+from .rounds import FederatedRun, SharedGradient, run_rounds
+from .simulation import InProcessGrid, flower_runtime, simulate
 from .strategy import FedSGD
 
 __all__ = [

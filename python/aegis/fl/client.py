@@ -27,7 +27,7 @@ batch loss is **not** sent: with the global model the server can score any candi
 and the candidate whose loss equals the reported one is the private batch (the true word order of a
 sentence ranks first among all its permutations, with |Δloss| = 0). The true batch size is not sent
 either (a short last batch tells the size of the client's shard). The server measures the loss on its
-own held-out data instead (``aegis.fl.app.validation_loss``).
+own held-out data instead (``aegis.fl.task.validation_loss``).
 
 Register the mod first so it is the last to touch the reply: ``@app.train(mods=[AegisMod(), ...])``.
 """
@@ -36,13 +36,13 @@ from __future__ import annotations
 import contextvars
 import hashlib
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from torch import Tensor, nn
 
-from ..baselines import Aegis, Batch, Defence, LossFn, lm_loss
+from ..defence import Aegis, Batch, Defence, LossFn, lm_loss
 from ..config import AegisConfig
 from ..shield import Shield
 
@@ -249,7 +249,7 @@ class ClientTrainer:
     oracle for the batch, see the module docstring); nor is the true batch size.
 
     defence:  ``None`` (default) = AEGIS configured by the enclosing AegisMod (required then); an
-              :class:`aegis.baselines.Aegis` adds the masking proof; any other Defence (the audit's
+              :class:`aegis.defence.Aegis` adds the masking proof; any other Defence (the audit's
               baselines) replies without one, and AegisMod would refuse it.
     batches:  a sequence (round r uses ``batches[(r - 1) % len(batches)]``) or ``server_round -> batch``.
     ``batches_used[r]`` keeps the batch of round r: ground truth for scoring attacks, never sent.
@@ -289,7 +289,7 @@ class ClientTrainer:
     def __call__(self, msg: Message, context: Context) -> Message:
         defence = self.current_defence()
         load_arrays(self.model, _single_array_record(msg.content))
-        server_round = _server_round(msg.content)
+        server_round = server_round_of(msg.content)
         batch = self.batch(server_round)
         for p in self.model.parameters():
             p.grad = None
@@ -326,7 +326,8 @@ def _single_array_record(content: RecordDict) -> ArrayRecord:
     return next(iter(content.array_records.values()))
 
 
-def _server_round(content: RecordDict) -> int:
+def server_round_of(content: RecordDict) -> int:
+    """The round an instruction belongs to (its ConfigRecord's ``server-round``; 0 if none)."""
     for record in content.config_records.values():
         if "server-round" in record:
             return int(record["server-round"])

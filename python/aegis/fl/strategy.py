@@ -11,7 +11,7 @@ gradient, its proof and ``num-examples`` = 1, a public constant: the weighted me
 (unweighted) mean of the clients' gradients, each already a per-example mean over the client's batch.
 Clients send no loss and no other metric computed from their private batch (the clean loss is an exact
 oracle for the batch given the global model), so the round's metrics are client counts only; the loss
-curve comes from the server's own held-out data (``evaluate_fn``, e.g. ``aegis.fl.app.validation_loss``).
+curve comes from the server's own held-out data (``evaluate_fn``, e.g. ``aegis.fl.task.validation_loss``).
 Other metric keys in a reply are ignored, never aggregated or logged.
 
 A round survives bad clients: error replies (a client that raised), replies that do not match the global
