@@ -260,12 +260,6 @@ class Shield:
         return {} if graphed is None else {"replays": graphed.replays, "captures": graphed.captures}
 
     @property
-    def flood_graph_counts(self) -> dict[str, int]:
-        """{"replays": n, "captures": n} of the CUDA-graph flood (``config.cuda_graph``); {} before one exists."""
-        graphed = self._graphed
-        return {} if graphed is None else {"replays": graphed.replays, "captures": graphed.captures}
-
-    @property
     def is_masked(self) -> bool:
         """True when every gradient is exactly what the last ``mask_()`` left (no backward since)."""
         if self._masked is None:
