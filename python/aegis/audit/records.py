@@ -177,7 +177,7 @@ class Verdict:
         if self.exposures <= 1 and self.refused_after is None:
             return "K = 1 export of each batch"
         refused = f"; export {self.refused_after + 1} refused" if self.refused_after is not None else ""
-        return f"K ≤ {self.exposures} exports of one batch{refused}"
+        return f"K ≤ {self.exposures} export{'s' if self.exposures > 1 else ''} of one batch{refused}"
 
     def text(self) -> str:
         if self.holds:
