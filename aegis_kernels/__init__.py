@@ -15,7 +15,8 @@ if HAS_TRITON:
     except Exception as exc:  # pragma: no cover - a broken Triton must not break the package
         import warnings
 
-        warnings.warn(f"aegis_kernels: Triton kernels not registered ({exc!r}); the PyTorch reference serves CUDA")
+        warnings.warn(f"aegis_kernels: Triton kernels not registered ({exc!r}); the PyTorch reference serves CUDA",
+                      stacklevel=2)
         HAS_TRITON = False
 
 flood = ops.flood

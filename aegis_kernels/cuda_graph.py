@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import Tensor

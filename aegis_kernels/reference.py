@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -130,7 +130,9 @@ def derive_key(master: Tensor, step: int | Tensor) -> Tensor:
 def check_key(key: Tensor) -> None:
     if not isinstance(key, Tensor) or key.shape != (KEY_WORDS,) or key.dtype != torch.int64:
         got = f"{key.dtype} {tuple(key.shape)}" if isinstance(key, Tensor) else type(key).__name__
-        raise ValueError(f"key must be an int64 tensor of {KEY_WORDS} uint32 words (aegis_kernels.new_key()), got {got}")
+        raise ValueError(
+            f"key must be an int64 tensor of {KEY_WORDS} uint32 words (aegis_kernels.new_key()), got {got}"
+        )
 
 
 # ----------------------------------------------------------------------------- normals
@@ -313,7 +315,9 @@ def check_grad(grad: Tensor, mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: must be one of {MODES}")
     if mode == "rows" and grad.dim() != 2:
-        raise ValueError(f"mode='rows' needs a 2-D (rows x dim) gradient, got shape {tuple(grad.shape)}; use mode='matrix'")
+        raise ValueError(
+            f"mode='rows' needs a 2-D (rows x dim) gradient, got shape {tuple(grad.shape)}; use mode='matrix'"
+        )
 
 
 def check_params_table(params: Tensor, count: int) -> None:

@@ -60,7 +60,9 @@ def main() -> None:
                 if name == "embedding_norm":  # the bag itself, before it is rendered as text and re-tokenised
                     found = embedding_norm_leak(model, grads, size).tokens
                     enc = tok(texts, padding=True)
-                    true = {i for row, mask in zip(enc["input_ids"], enc["attention_mask"]) for i, m in zip(row, mask) if m}
+                    true = {
+                        i for row, mask in zip(enc["input_ids"], enc["attention_mask"]) for i, m in zip(row, mask) if m
+                    }
                     scores["token_id_recall"] = len(set(found) & true) / len(true)
                 undefended[name].append(scores)
         texts = [e.text for e in batches[0]]

@@ -121,7 +121,7 @@ def copy_bandwidth() -> float:
     src = torch.randn(n, device="cuda")
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    del src, dst
+    src = dst = None  # free the 2 GiB before the benchmark
     torch.cuda.empty_cache()
     return 2 * n * 4 / (ms * 1e-3)
 
@@ -199,7 +199,7 @@ def bench_rows(name, V, D, dtype, active, compile_ref: bool, extra: bool) -> dic
     torch.cuda.empty_cache()
     if compile_ref:
         res["compile_ms"] = bench_compiled(lambda f: f(g, "rows", params, key, 0), res)
-    del g
+    g = None  # free the gradient before the next case
     torch.cuda.empty_cache()
     return res
 
@@ -258,7 +258,7 @@ def bench_grouped(name, shapes, dtype, compile_ref: bool, extra: bool) -> dict:
                 g.copy_(out.view_as(g))
 
         res["compile_ms"] = bench_compiled(call, res)
-    del grads
+    grads = None  # free the gradients before the next case
     torch.cuda.empty_cache()
     return res
 
@@ -276,12 +276,22 @@ def llama7b_mlp():
 
 CASES = {
     "rows-50257x768-fp32": lambda c, x: bench_rows("rows-50257x768-fp32", 50257, 768, torch.float32, "sparse", c, x),
-    "rows-50257x768-fp32-dense": lambda c, x: bench_rows("rows-50257x768-fp32-dense", 50257, 768, torch.float32, "dense", c, x),
-    "rows-32000x4096-bf16": lambda c, x: bench_rows("rows-32000x4096-bf16", 32000, 4096, torch.bfloat16, "sparse", c, x),
-    "rows-32000x4096-bf16-dense": lambda c, x: bench_rows("rows-32000x4096-bf16-dense", 32000, 4096, torch.bfloat16, "dense", c, x),
-    "rows-128256x4096-bf16": lambda c, x: bench_rows("rows-128256x4096-bf16", 128256, 4096, torch.bfloat16, "sparse", c, x),
+    "rows-50257x768-fp32-dense": lambda c, x: bench_rows(
+        "rows-50257x768-fp32-dense", 50257, 768, torch.float32, "dense", c, x
+    ),
+    "rows-32000x4096-bf16": lambda c, x: bench_rows(
+        "rows-32000x4096-bf16", 32000, 4096, torch.bfloat16, "sparse", c, x
+    ),
+    "rows-32000x4096-bf16-dense": lambda c, x: bench_rows(
+        "rows-32000x4096-bf16-dense", 32000, 4096, torch.bfloat16, "dense", c, x
+    ),
+    "rows-128256x4096-bf16": lambda c, x: bench_rows(
+        "rows-128256x4096-bf16", 128256, 4096, torch.bfloat16, "sparse", c, x
+    ),
     "grouped-gpt2-mlp-fp32": lambda c, x: bench_grouped("grouped-gpt2-mlp-fp32", gpt2_mlp(), torch.float32, c, x),
-    "grouped-llama7b-mlp-bf16": lambda c, x: bench_grouped("grouped-llama7b-mlp-bf16", llama7b_mlp(), torch.bfloat16, c, x),
+    "grouped-llama7b-mlp-bf16": lambda c, x: bench_grouped(
+        "grouped-llama7b-mlp-bf16", llama7b_mlp(), torch.bfloat16, c, x
+    ),
 }
 
 
@@ -319,7 +329,7 @@ def sweep() -> list[dict]:
         run(c, f, rows_warps2=4)
         run(c, f, rows_bd2=256, rows_warps2=2)
         run(c, f, rows_bd2=256, rows_warps2=1)
-        del g
+        g = None
         g, _ = rows_grad(32000, 4096, torch.bfloat16, "sparse")
         p = _rows_params(g)
         f = lambda: torch.ops.aegis.flood(g, "rows", p, key, 0)  # noqa: E731
@@ -328,20 +338,20 @@ def sweep() -> list[dict]:
         run(c, f, rows_bd2=1024, rows_warps2=4)
         run(c, f, rows_bd2=512, rows_warps2=2)
         run(c, f, rows_bd2=2048, rows_warps2=4)
-        del g
+        g = None
         for dtype, shapes, c in ((torch.float32, gpt2_mlp(), "grouped gpt2 mlp fp32"),
                                  (torch.bfloat16, llama7b_mlp()[:24], "grouped llama mlp bf16 x24")):
             gen = torch.Generator(device="cuda").manual_seed(1)
             grads = [torch.randn(s, device="cuda", generator=gen).to(dtype) for s in shapes]
             k = len(grads)
             pk = torch.tensor([[0.0, 1e-3, 1.0, 0.0]] * k, device="cuda")
-            f = lambda: torch.ops.aegis.flood_(grads, ",".join(["matrix"] * k), pk, key)  # noqa: E731
+            f = lambda: torch.ops.aegis.flood_(grads, ",".join(["matrix"] * k), pk, key)  # noqa: E731, B023
             run(c, f)
             run(c, f, pipe_warps=8)
             run(c, f, flood_block=1024, flood_iters=16)
             run(c, f, flood_block=1024, flood_iters=16, pipe_warps=2)
             run(c, f, pipe_chunks=8)
-            del grads
+            grads = None
     finally:
         for key, value in saved.items():
             setattr(LAUNCH, key, value)
@@ -377,7 +387,11 @@ def main() -> None:
         extra = not name.endswith("-dense")
         t0 = time.time()
         try:
-            want = not args.skip_compile and not name.endswith("-dense") and (name.startswith("rows") or args.compile_grouped)
+            want = (
+                not args.skip_compile
+                and not name.endswith("-dense")
+                and (name.startswith("rows") or args.compile_grouped)
+            )
             if COMPILE_ONLY and not want:
                 continue
             res = run(want, extra)
@@ -409,7 +423,7 @@ def main() -> None:
         if "error" in r and "fused_ms" not in r:
             print(f"{r['name']:30s} ERROR {r['error'][:80]}")
             continue
-        cell = lambda k: f"{f(r.get(k + '_ms'))} ({f(r.get(k + '_x_floor'), 2)})"  # noqa: E731
+        cell = lambda k: f"{f(r.get(k + '_ms'))} ({f(r.get(k + '_x_floor'), 2)})"  # noqa: E731, B023
         print(f"{r['name']:30s} {f(r.get('active_rows', 1.0), 3):>6s} {f(r['floor_ms']):>8s} {cell('fused'):>15s} "
               f"{cell('fused_graph'):>15s} {cell('baseline_graph'):>15s} {cell('eager'):>17s} {cell('compile'):>17s} "
               f"{f(r.get('compile_over_fused'), 1):>9s}")

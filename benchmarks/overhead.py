@@ -142,7 +142,9 @@ def run_one(setting: Setting, defence_name: str, device: torch.device, warmup: i
     return {"median_s": statistics.median(times), "peak_bytes": peak, "payload_bytes": payload, **extra}
 
 
-def run_interleaved(setting: Setting, names: list[str], device: torch.device, warmup: int, steps: int) -> dict[str, dict]:
+def run_interleaved(
+    setting: Setting, names: list[str], device: torch.device, warmup: int, steps: int
+) -> dict[str, dict]:
     """Median step time of each defence, their models side by side and their steps taken in turn, so
     host and clock drift (launch-bound steps vary 20 % between runs) hit every defence alike."""
     prepared = {name: prepare(setting, name, device) for name in names}
@@ -153,7 +155,10 @@ def run_interleaved(setting: Setting, names: list[str], device: torch.device, wa
     for _ in range(steps):
         for name, (step, _) in prepared.items():
             times[name].append(timed_step(step, device))
-    out = {name: {"median_s": statistics.median(times[name]), **defence.report()} for name, (_, defence) in prepared.items()}
+    out = {
+        name: {"median_s": statistics.median(times[name]), **defence.report()}
+        for name, (_, defence) in prepared.items()
+    }
     del prepared
     release(device)
     return out
@@ -200,7 +205,7 @@ def run_graphed(setting: Setting, aegis_on: bool, device: torch.device, warmup: 
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated()
-    del model, optimizer, graph, shield
+    model = optimizer = graph = shield = None  # free the device memory before the next setting
     gc.collect()
     torch.cuda.empty_cache()
     return {"median_s": statistics.median(times), "peak_bytes": peak}
@@ -259,7 +264,9 @@ def main(argv: list[str] | None = None) -> Path:
             if base and "error" not in result:
                 result |= {
                     "time_ratio": result["median_s"] / base["median_s"],
-                    "memory_ratio": result["peak_bytes"] / base["peak_bytes"] if base["peak_bytes"] else None,  # CPU: none
+                    "memory_ratio": result["peak_bytes"] / base["peak_bytes"]
+                    if base["peak_bytes"]
+                    else None,  # CPU: none
                     "payload_ratio": result["payload_bytes"] / base["payload_bytes"],
                 }
             rows.append(_row(setting, name, result))
@@ -278,7 +285,13 @@ def main(argv: list[str] | None = None) -> Path:
                         result["time_ratio_vs_eager_none"] = result["median_s"] / base["median_s"]
                 rows.append(_row(setting, name, result))
         # Written after every setting, so a run cut short still leaves its numbers.
-        meta = {"card": card, "torch": torch.__version__, "warmup": warmup, "steps": steps, "baseline_steps": args.baseline_steps}
+        meta = {
+            "card": card,
+            "torch": torch.__version__,
+            "warmup": warmup,
+            "steps": steps,
+            "baseline_steps": args.baseline_steps,
+        }
         out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     print(f"wrote {out}")
     return out
@@ -306,7 +319,13 @@ def _combine(runs: list[dict]) -> dict:
 
 
 def _row(setting: Setting, defence: str, result: dict) -> dict:
-    row = {**asdict(setting), "weights": str(setting.weights), "autocast": str(setting.autocast), "defence": defence, **result}
+    row = {
+        **asdict(setting),
+        "weights": str(setting.weights),
+        "autocast": str(setting.autocast),
+        "defence": defence,
+        **result,
+    }
     print(format_row(row), flush=True)
     return row
 

@@ -60,7 +60,9 @@ def run(lams, batches: int, batch_size: int, seed: int) -> dict:
                 point["rouge1"].append(r1)
                 point["rouge2"].append(r2)
                 point["null_rouge1"].append(n1)
-                print(f"rho={rho:<4} lam={lam:<5} {name:<9} ROUGE-1 {r1:.3f}  ROUGE-2 {r2:.3f}  null {n1:.3f}", flush=True)
+                print(
+                    f"rho={rho:<4} lam={lam:<5} {name:<9} ROUGE-1 {r1:.3f}  ROUGE-2 {r2:.3f}  null {n1:.3f}", flush=True
+                )
     return curves
 
 
@@ -101,7 +103,9 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="5 lambdas and 2 batches")
     parser.add_argument("--batches", type=int, help="batches per point (default 8, quick 2)")
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the null baseline (the flood always draws fresh keys)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the null baseline (the flood always draws fresh keys)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
 
@@ -121,7 +125,11 @@ def main(argv=None) -> None:
         "seed": args.seed,
         "curves": curves,
         "elapsed_s": round(time.perf_counter() - start, 1),
-        "machine": {"cpu_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
+        "machine": {
+            "cpu_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "privacy-curve.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -97,9 +97,11 @@ def verification(model_name: str, device: torch.device, trials: list[int], chose
                 labels = labels if model_name == "encoder" else None
                 shield = aegis.protect(model, config=config)
 
-                def export(i: int) -> dict:
+                def export(i: int, model=model, cands=cands, tok=tok, shield=shield, labels=labels, k=k) -> dict:
                     label = None if labels is None else labels[i]
-                    return averaged_export(lambda: shared_gradient(model, cands[i], tok, shield=shield, labels=label), k)
+                    return averaged_export(
+                        lambda: shared_gradient(model, cands[i], tok, shield=shield, labels=label), k
+                    )
 
                 start = time.time()
                 results = fingerprint_accuracies(model, tok, config, cands, trials, variants=VARIANTS,
@@ -128,7 +130,8 @@ def labels(device: torch.device, chosen: dict, log, rows: list[dict], save) -> N
             for i in range(count):
                 batch = examples[i * batch_size : (i + 1) * batch_size]
                 texts, truth = [e.text for e in batch], [LABELS.index(e.label) for e in batch]
-                grads = averaged_export(lambda: shared_gradient(model, texts, tok, shield=shield, labels=truth), k)
+                grads = averaged_export(lambda: shared_gradient(model, texts, tok, shield=shield, labels=truth),  # noqa: B023
+                                        k)  # called at once, in this iteration
                 for name, g in (("naive", 1.0), ("adaptive", gain)):
                     scores[name] += label_accuracy(label_leak(model, grads, batch_size, gain=g).labels, truth) / count
             null = label_null(len(LABELS), batch_size)
@@ -159,13 +162,13 @@ def pooled(rows: list[dict]) -> list[dict]:
 
 def _head_rho(model, tok, shield) -> float:
     """The classifier's public signal weight (after the snr cap): the adaptive attacker's gain."""
-    shared_gradient(model, ["a public probe sentence"], tok, shield=shield, labels=[0])  # calibrates
-    names = [p.name for p in shield._flooded]
-    if "classifier.weight" not in names:
+    flooded = {row.name for row in shield.report().flooded}
+    if "classifier.weight" not in flooded:
         return 1.0
-    if shield._params is None:  # the batch calibration: rho as configured
+    if shield.config.calibration is Calibration.BATCH:  # rho as configured
         return max(shield.config.treatments["head"].rho, 1e-6)
-    return max(float(shield._params[names.index("classifier.weight"), 0]), 1e-6)
+    rho, _sigma, _clip, _thr = shield.public_params()["classifier.weight"]
+    return max(rho, 1e-6)
 
 
 def main() -> None:
@@ -204,7 +207,9 @@ def main() -> None:
         chosen = {k: v for k, v in chosen.items() if k.startswith(prefixes)}
     old = json.loads(path.read_text()) if args.append and path.exists() else {"verification": [], "labels": []}
     rows = [r for r in old["verification"] if r["setting"] not in chosen]
-    label_rows = [r for r in old["labels"] if r["setting"] not in chosen and (r["setting"] != "none K=1" or args.skip_labels)]
+    label_rows = [
+        r for r in old["labels"] if r["setting"] not in chosen and (r["setting"] != "none K=1" or args.skip_labels)
+    ]
 
     def save() -> None:  # after every model: a late failure loses nothing
         path.write_text(json.dumps(dict(card=card, torch=torch.__version__, fast_noise=args.fast_noise,

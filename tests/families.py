@@ -35,7 +35,9 @@ FAMILIES = {
 
 
 _ENCODER = dict(max_position_embeddings=64, **_LAYERS)
-_DISTIL = dict(vocab_size=VOCAB, pad_token_id=0, n_layers=1, dim=32, n_heads=2, hidden_dim=64, max_position_embeddings=64)
+_DISTIL = dict(
+    vocab_size=VOCAB, pad_token_id=0, n_layers=1, dim=32, n_heads=2, hidden_dim=64, max_position_embeddings=64
+)
 _T5 = dict(vocab_size=VOCAB, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0, d_model=32, d_kv=16, d_ff=64,
            num_layers=1, num_heads=2)
 

@@ -49,7 +49,9 @@ def _mulhilo(a: Tensor, b: int) -> tuple[Tensor, Tensor]:
     return (t_hi + (t_lo >> 16)) >> 16, (((t_hi & 0xFFFF) << 16) + t_lo) & MASK32
 
 
-def philox4x32(key: int | Tensor, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def philox4x32(
+    key: int | Tensor, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Philox4x32-10 (Salmon et al. 2011) on uint32 words stored in int64 tensors; key = k0 | k1 << 32."""
     k0 = key & MASK32
     k1 = (key >> 32) & MASK32

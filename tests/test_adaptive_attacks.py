@@ -39,7 +39,9 @@ def test_vocabulary_scan_equals_the_models_forward(arch, kv):
     for prefix in [(), (101,), (101, 2026, 4413, 1999)]:
         ids = torch.cat([torch.tensor(prefix, dtype=torch.long).expand(3, -1), tokens[:, None]], 1)
         with torch.no_grad():
-            torch.testing.assert_close(scan(prefix)[tokens], module_input(model, probe, ids)[:, -1], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                scan(prefix)[tokens], module_input(model, probe, ids)[:, -1], atol=2e-5, rtol=1e-4
+            )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,9 @@ def test_spectral_recovers_through_a_weak_flood_that_stops_mlp_span(frozen):
 
 def test_paper_preset_default_decoder(frozen):
     model, tok = frozen
-    grads = shared_gradient(model, SHORT, tok, shield=aegis.protect(model, config=aegis.AegisConfig(preset="paper", seed=0)))
+    grads = shared_gradient(
+        model, SHORT, tok, shield=aegis.protect(model, config=aegis.AegisConfig(preset="paper", seed=0))
+    )
     for attack in SPAN_ATTACKS.values():
         null = null_baseline(attack, model, grads, tok, 1, SHORT)["rouge1"]
         assert rouge(attack(model, grads, tok, 1), SHORT)["rouge1"] <= max(0.05, null + 0.05), attack.__name__
@@ -105,7 +109,9 @@ def test_spectral_on_a_flooded_attention_channel():
     """Attention flooded instead of frozen (rho 0.3, tiny lambda): spectral works on the DAGER pipeline."""
     model, tok = default_decoder()
     texts = [e.text for e in EXAMPLES[:2]]
-    config = aegis.AegisConfig(preset="paper", overrides={"attention": aegis.Treatment("matrix", lam=0.0, rho=0.3)}, seed=0)
+    config = aegis.AegisConfig(
+        preset="paper", overrides={"attention": aegis.Treatment("matrix", lam=0.0, rho=0.3)}, seed=0
+    )
     grads = shared_gradient(model, texts, tok, shield=aegis.protect(model, config=config))
     assert rouge(spectral(model, grads, tok, 2), texts)["rouge1"] >= 0.9
 
@@ -139,7 +145,9 @@ def test_paper_preset_every_attack_every_setting(setting):
             if name == "tag" and seed:
                 continue
             got[name].append(rouge(attack(model, grads, tok, size), texts, alignment)["rouge1"])
-            null[name].append(null_baseline(attack, model, grads, tok, size, texts, alignment=alignment, seed=seed)["rouge1"])
+            null[name].append(
+                null_baseline(attack, model, grads, tok, size, texts, alignment=alignment, seed=seed)["rouge1"]
+            )
     failures = []
     for name in attacks:
         mean, null_mean = sum(got[name]) / len(got[name]), sum(null[name]) / len(null[name])

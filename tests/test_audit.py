@@ -13,8 +13,8 @@ def report_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     result = CliRunner().invoke(
         app,
-        ["audit", "--quick", "--out", str(out), "--defences", "none,aegis-paper,prune-90", "--attacks", "dager,embedding_norm",
-         "--rounds", "1", "--clients", "1", "--threads", "1"],
+        ["audit", "--quick", "--out", str(out), "--defences", "none,aegis-paper,prune-90",
+         "--attacks", "dager,embedding_norm", "--rounds", "1", "--clients", "1", "--threads", "1"],
         env={"COLUMNS": "200"},
     )
     assert result.exit_code == 0, result.output
@@ -25,9 +25,12 @@ def test_report_json_schema_and_privacy(report_dir):
     report = json.loads((report_dir / "report.json").read_text())
     assert report["complete"]
     rows = {(r["model"], r["defence"], r["attack"]): r for r in report["results"]}
-    assert set(rows) == {("decoder", d, a) for d in ("none", "aegis-paper", "prune-90") for a in ("dager", "embedding_norm")}
+    assert set(rows) == {
+        ("decoder", d, a) for d in ("none", "aegis-paper", "prune-90") for a in ("dager", "embedding_norm")
+    }
     for row in rows.values():
-        assert {"rouge1", "rouge2", "rougeL", "token_recall", "exact_rate", "null", "null_token_recall", "leaks"} <= row.keys()
+        keys = {"rouge1", "rouge2", "rougeL", "token_recall", "exact_rate", "null", "null_token_recall", "leaks"}
+        assert keys <= row.keys()
     assert rows["decoder", "none", "dager"]["rouge1"] >= 0.9  # undefended: the attack works
     for attack in ("dager", "embedding_norm"):
         aegis_row = rows["decoder", "aegis-paper", attack]
@@ -63,7 +66,9 @@ def test_plot_and_html_show_what_they_claim(report_dir):
     # long bags of tokens are cut with a count, no cell holds more than 60 tokens
     assert "more tokens)" in page
     for row in page.split("<tr>")[1:]:
-        assert row.count("<span class='hit'>") + row.count("<span class='moved'>") + row.count("<span class='miss'>") <= 60
+        assert (
+            row.count("<span class='hit'>") + row.count("<span class='moved'>") + row.count("<span class='miss'>") <= 60
+        )
 
 
 @pytest.mark.slow
@@ -112,7 +117,9 @@ def test_quick_audit_meets_the_bar(tmp_path):
     assert elapsed < 180
 
 
-@pytest.mark.parametrize("flag, attacked, said", [([], 1, "the first round's"), (["--attack-rounds", "0"], 2, "every round's")])
+@pytest.mark.parametrize(
+    "flag, attacked, said", [([], 1, "the first round's"), (["--attack-rounds", "0"], 2, "every round's")]
+)
 def test_attack_rounds_chooses_which_captured_gradients_are_attacked(tmp_path, flag, attacked, said):
     """The server captures every round; by default it attacks round 1's gradients, 0 means all."""
     result = CliRunner().invoke(
@@ -170,7 +177,9 @@ def test_verdicts_read_the_worst_axis_against_the_null():
             text("aegis", 0.0, 0.0), ident("aegis", 0.025, 0.025, k=4, refused=4),
             text("batch", 0.0, 0.0), ident("batch", 1.0, 0.025, k=4, refused=4, p=1e-6),
             text("lucky", 0.0, 0.0), ident("lucky", 0.25, 0.025, p=0.3)]
-    prune, near, aegis, batch, lucky = (verdicts(rows, "decoder", d) for d in ("prune", "near-null", "aegis", "batch", "lucky"))
+    prune, near, aegis, batch, lucky = (
+        verdicts(rows, "decoder", d) for d in ("prune", "near-null", "aegis", "batch", "lucky")
+    )
     assert not prune.holds and prune.leaking == ["embedding_norm token recall 0.92 (null 0.00)"]
     assert prune.worst == 0.92
     assert near.holds  # within 0.05 of its own null on both axes, and of chance

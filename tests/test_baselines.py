@@ -149,7 +149,11 @@ def test_soteria_prunes_the_features_with_smallest_ratio_in_the_first_mlp_only(a
         name, layer, dim = "transformer.h.0.mlp.c_fc.weight", model.transformer.h[0].mlp.c_fc, 0
     else:  # nn.Linear weight is (out, in): features are columns
         model, batch = tiny_bert(), cls_batch()
-        name, layer, dim = "bert.encoder.layer.0.intermediate.dense.weight", model.bert.encoder.layer[0].intermediate.dense, 1
+        name, layer, dim = (
+            "bert.encoder.layer.0.intermediate.dense.weight",
+            model.bert.encoder.layer[0].intermediate.dense,
+            1,
+        )
     clean = clean_grads(model, batch)
     defence = Soteria(0.75).attach(model)
     _, shared = defence.step(batch)

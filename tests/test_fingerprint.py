@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import aegis
+import aegis_kernels.reference as ref
 from aegis.attacks import fingerprint_accuracy, identify_sentence, secret_completion, shared_gradient, verify
 from aegis.attacks.fingerprint import (
     VARIANTS,

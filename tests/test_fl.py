@@ -4,11 +4,11 @@ import math
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 import torch
 import transformers
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
@@ -78,13 +78,13 @@ def must_not_train(msg, ctx):
 # -- AegisMod -----------------------------------------------------------------------------------
 def test_mod_sends_masked_non_attention_fp32_gradient_configured_from_run_config():
     trainer = ClientTrainer(tiny_gpt2(), [lm_batch()])
-    reply = AegisMod()(instruction(global_arrays()), context({"aegis-preset": "utility"}), trainer)
+    reply = AegisMod()(instruction(global_arrays()), context({"aegis-preset": "paper"}), trainer)
     assert not reply.has_error()
     record = reply.content["arrays"]
     assert record.keys() and not any(".attn." in k for k in record.keys())
     assert {a.dtype for a in record.values()} == {"float32"}
     assert reply.content["aegis"]["digest"] == digest(record)
-    assert trainer._aegis.config.preset == "utility"
+    assert trainer._aegis.config.preset == "paper"
     assert dict(reply.content["metrics"]) == {"num-examples": 1}
     clean = clean_gradient(tiny_gpt2(), lm_batch())
     shared = record["transformer.h.0.mlp.c_fc.weight"].numpy()
@@ -102,7 +102,9 @@ def test_mod_refuses_raw_gradient_even_with_a_forged_proof():
         grads = clean_gradient(tiny_gpt2(), lm_batch())
         record = pack_gradients({k: v for k, v in grads.items() if ".attn." not in k})
         proof = ConfigRecord({"masked": True, "digest": digest(record)})
-        return Message(RecordDict({"arrays": record, "aegis": proof, "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+        return Message(
+            RecordDict({"arrays": record, "aegis": proof, "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg
+        )
 
     assert "no shield masked" in _error_reason(AegisMod()(instruction(global_arrays()), context(), leaky))
 
@@ -196,7 +198,9 @@ def test_reply_carries_only_masked_arrays_proof_and_a_constant_weight():
         for record in (*content.config_records.values(), *content.metric_records.values()):
             for value in record.values():
                 assert value not in (loss, size), "a batch-derived value travels"
-    undefended = ClientTrainer(tiny_gpt2(), [lm_batch()], defence=NoDefence())(instruction(trainable_arrays(tiny_gpt2())), context())
+    undefended = ClientTrainer(tiny_gpt2(), [lm_batch()], defence=NoDefence())(
+        instruction(trainable_arrays(tiny_gpt2())), context()
+    )
     assert set(undefended.content.keys()) == {"arrays", "metrics"}
     assert dict(undefended.content["metrics"]) == {"num-examples": 1}
 
@@ -237,7 +241,9 @@ def test_clean_loss_was_an_oracle_and_the_reply_no_longer_carries_it():
 
 def test_mod_refuses_a_metrics_only_reply():
     msg = instruction(global_arrays())
-    metrics_only = lambda m, c: Message(RecordDict({"metrics": MetricRecord({"num-examples": 1, "train-loss": 1.25})}), reply_to=m)  # noqa: E731
+    def metrics_only(m, c):
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1, "train-loss": 1.25})}), reply_to=m)
+
     reason = _error_reason(AegisMod()(msg, context(), metrics_only))
     assert "metrics-only" in reason and "reply_content" in reason
     empty = lambda m, c: Message(RecordDict(), reply_to=m)  # noqa: E731
@@ -290,7 +296,9 @@ def test_mod_refuses_an_extra_or_misplaced_array_record():
 
     def misplaced(msg, ctx):  # the masked arrays under another key: not what the strategy reads
         reply = _masked_reply(msg, AegisConfig())
-        content = RecordDict({"grads": reply.content["arrays"], "aegis": reply.content["aegis"], "metrics": reply.content["metrics"]})
+        content = RecordDict(
+            {"grads": reply.content["arrays"], "aegis": reply.content["aegis"], "metrics": reply.content["metrics"]}
+        )
         return Message(content, reply_to=msg)
 
     assert "['grads']" in _error_reason(AegisMod()(instruction(global_arrays()), context(), misplaced))
@@ -350,7 +358,9 @@ def test_fedsgd_step_is_the_weighted_mean_gradient_times_lr():
     with flower_runtime():
         messages = list(strategy.configure_train(1, arrays_of(w0), ConfigRecord(), grid_with([1000, 1001, 1002, 1003])))
     assert len(messages) == 4
-    assert all(m.metadata.message_type == MessageType.TRAIN and m.content["config"]["server-round"] == 1 for m in messages)
+    assert all(
+        m.metadata.message_type == MessageType.TRAIN and m.content["config"]["server-round"] == 1 for m in messages
+    )
     grads, sizes = [random_values(s) for s in (1, 2, 3)], [1, 2, 5]
     replies = [reply(m, g, n, **{"train-loss": 2.0}) for m, g, n in zip(messages, grads, sizes)]  # node 4 never answers
     new, metrics = strategy.aggregate_train(1, replies)
@@ -358,7 +368,12 @@ def test_fedsgd_step_is_the_weighted_mean_gradient_times_lr():
         mean = sum(n * g[k] for n, g in zip(sizes, grads)) / sum(sizes)
         np.testing.assert_allclose(new[k].numpy(), w0[k] - 0.5 * mean, rtol=1e-6, atol=1e-6)
     assert "train-loss" not in metrics  # a client metric is never aggregated into the round's record
-    assert (metrics["clients-ok"], metrics["clients-failed"], metrics["clients-rejected"], metrics["clients-missing"]) == (3, 0, 0, 1)
+    assert (
+        metrics["clients-ok"],
+        metrics["clients-failed"],
+        metrics["clients-rejected"],
+        metrics["clients-missing"],
+    ) == (3, 0, 0, 1)
 
 
 def test_fedsgd_adamw_keeps_optimizer_state_across_rounds():
@@ -399,7 +414,12 @@ def test_fedsgd_skips_and_counts_failed_malformed_and_missing_clients():
     new, metrics = strategy.aggregate_train(1, replies)
     for k in SHAPES:
         np.testing.assert_allclose(new[k].numpy(), w0[k] - good[k], rtol=1e-6, atol=1e-6)
-    assert (metrics["clients-ok"], metrics["clients-failed"], metrics["clients-rejected"], metrics["clients-missing"]) == (1, 1, 4, 1)
+    assert (
+        metrics["clients-ok"],
+        metrics["clients-failed"],
+        metrics["clients-rejected"],
+        metrics["clients-missing"],
+    ) == (1, 1, 4, 1)
     none, metrics = strategy.aggregate_train(1, replies[1:])
     assert none is None and metrics["clients-ok"] == 0
 
@@ -548,7 +568,9 @@ def test_flwr_run_with_the_simulation_runtime(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    (home / "config.toml").write_text(f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
     # Run the apps in this environment (where aegis is installed) instead of a fresh per-run one.
     env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "PATH": bin_dir + os.pathsep + os.environ["PATH"]}

@@ -96,7 +96,12 @@ def test_find_head_by_common_names(encoder):
     from transformers import GPT2Config, GPT2ForSequenceClassification, RobertaConfig, RobertaForSequenceClassification
 
     head = find_head(encoder[0])
-    assert (head.path, head.weight, head.bias, head.num_labels) == ("classifier", ["classifier.weight"], ["classifier.bias"], C)
+    assert (head.path, head.weight, head.bias, head.num_labels) == (
+        "classifier",
+        ["classifier.weight"],
+        ["classifier.bias"],
+        C,
+    )
 
     small = dict(vocab_size=100, num_labels=3, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
@@ -121,7 +126,9 @@ def test_weight_channel_of_a_bias_free_decoder_head():
 
     torch.manual_seed(0)
     model = GPT2ForSequenceClassification(
-        GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=300, num_labels=3, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, vocab_size=300, num_labels=3, pad_token_id=0, bos_token_id=1, eos_token_id=2
+        )
     ).eval()
     gen = torch.Generator().manual_seed(1)
     hits = []
@@ -262,7 +269,9 @@ def preset_accuracy(encoder, preset: str, size: int, silent: bool) -> float:
     """Mean label accuracy of the attack with the public gain (the head's signal weight after the snr cap)."""
     model, tok = encoder
     model = copy.deepcopy(model)
-    gain = aegis.protect(copy.deepcopy(model), config=aegis.AegisConfig(preset=preset)).public_params()["classifier.weight"][0]
+    gain = aegis.protect(copy.deepcopy(model), config=aegis.AegisConfig(preset=preset)).public_params()[
+        "classifier.weight"
+    ][0]
     overrides = {"head": aegis.Treatment("rows", lam=1.0, rho=0.0)} if silent else {}
     shield = aegis.protect(model, config=aegis.AegisConfig(preset=preset, seed=11 + size, overrides=overrides))
     total = 0.0

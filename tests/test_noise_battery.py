@@ -30,10 +30,9 @@ import math
 import pytest
 import torch
 
+import old_stream
 from aegis.attacks import noise_structure as ns
 from aegis_kernels import reference as ref
-
-import old_stream
 
 RHO = 0.3
 LAM = 1000.0  # sigma = LAM x mean signal-row norm: the norms carry nothing
@@ -107,7 +106,7 @@ def test_old_stream_is_philox_kat():
 
 
 # ----------------------------------------------------------------------------- new stream (reference, CPU)
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_results(name: str):
     dtype = DTYPES[name]
     g, labels, sigma = _case(V, D, ACTIVE, dtype, seed=1)
@@ -130,14 +129,15 @@ def test_new_stream_reference(name):
 
 
 # ----------------------------------------------------------------------------- old stream: must break
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _old_results():
     g, labels, _ = _case(V, D, ACTIVE, torch.float32, seed=1)
     out, stats = old_stream.flood(g, "rows", RHO, LAM, 0.01, seed=OLD_SEED)
     assert int(stats[2]) == ACTIVE
     stat = ns.old_lattice_statistic(out)
     full = ns.distinguish(ns.extract(out, stats[1].item()), labels, folds=FOLDS)
-    print(f"\nold stream, fp32: {({k: round(v, 3) for k, v in full.items()})}, old lattice {ns.auc(stat.double(), ~labels):.3f}")
+    scores = {k: round(v, 3) for k, v in full.items()}
+    print(f"\nold stream, fp32: {scores}, old lattice {ns.auc(stat.double(), ~labels):.3f}")
     return out, labels, stat, full
 
 
@@ -221,7 +221,7 @@ def test_battery_has_teeth(family):
 
 
 # ----------------------------------------------------------------------------- kernels (Triton interpreter, CPU)
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _interpreter_results(name: str):
     TF = pytest.importorskip("aegis_kernels.triton")
     dtype = DTYPES[name]
@@ -244,7 +244,7 @@ def test_new_stream_interpreter(name):
 GPU_CASES = [("fp32", 768), ("fp16", 768), ("bf16", 4096)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpu_results(name: str, d: int):
     import aegis_kernels  # noqa: F401  (registers the CUDA kernels)
 
@@ -256,7 +256,9 @@ def _gpu_results(name: str, d: int):
     assert int(stats[1]) == GACTIVE
     full = clean = _run_battery(out, stats[0].item(), labels)
     old_stat = ns.auc(ns.old_lattice_statistic(out).double(), ~labels)
-    print(f"\nnew stream, CUDA, {name} d={d}: {({k: round(v, 3) for k, v in full.items()})}, old lattice {old_stat:.3f}")
+    print(
+        f"\nnew stream, CUDA, {name} d={d}: { ({k: round(v, 3) for k, v in full.items()}) }, old lattice {old_stat:.3f}"
+    )
     return full, clean, old_stat
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from aegis.config import PAPER, ROLES, AegisConfig
-from aegis.policy import LORA_EMBEDDING_ROLE, detect_role, plan
+from aegis.policy import LORA_EMBEDDING_ROLE, plan
 from families import POLICY_FAMILIES, VOCAB, build
 
 # The parameters an attacker found in 'other', and their roles now.
@@ -101,7 +101,9 @@ def test_lora_on_the_output_embedding_and_trainable_tokens():
     assert head_a.role == head_b.role == LORA_EMBEDDING_ROLE
     assert head_b.param.shape == (VOCAB, 4) and head_b.rows_axis == 0 and head_a.rows_axis is None
     assert {p.role for n, p in plans.items() if ".mlp." in n} == {"mlp"}
-    model = peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=["down_proj"], trainable_token_indices=[5, 6]))
+    model = peft.get_peft_model(
+        build("llama"), peft.LoraConfig(r=4, target_modules=["down_proj"], trainable_token_indices=[5, 6])
+    )
     (delta,) = [p for n, p in _trainable(plan(model, _WITH_LORA_ROLE)).items() if "trainable_tokens_delta" in n]
     assert delta.role == LORA_EMBEDDING_ROLE and delta.param.shape == (2, 32) and delta.rows_axis == 0
 
@@ -110,7 +112,11 @@ def test_dora_magnitudes_are_norms_and_attention_adapters_stay_attention():
     model = _lora("llama", ["embed_tokens", "up_proj", "q_proj"], use_dora=True)
     roles = {n: p.role for n, p in _trainable(plan(model, _WITH_LORA_ROLE)).items()}
     magnitudes = {n: r for n, r in roles.items() if "lora_magnitude_vector" in n}
-    assert {n.split(".")[-5]: r for n, r in magnitudes.items()} == {"model": "norm", "mlp": "norm", "self_attn": "attention"}
+    assert {n.split(".")[-5]: r for n, r in magnitudes.items()} == {
+        "model": "norm",
+        "mlp": "norm",
+        "self_attn": "attention",
+    }
     assert "other" not in roles.values()
 
 
@@ -136,7 +142,7 @@ def test_strict_error_names_parameters_classes_and_fix():
     assert "AegisConfig(role_overrides={regex: role})" in message and "strict=False" in message
     listed = re.search(r"with role one of (.+?); or", message).group(1)
     assert listed == ", ".join(f"'{r}'" for r in ROLES if r != "other")
-    assert "lam 1.0, rho 0.3" in message  # what strict=False would accept
+    assert "lam 4.0, rho 0.0" in message  # what strict=False would accept
     # The example override in the message is a working fix for the first parameter it names.
     example = re.search(r'role_overrides=\{r"(.+?)": "mlp"\}', message).group(1)
     assert example == "^mystery$"

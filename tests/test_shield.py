@@ -86,7 +86,8 @@ def test_classification_heads_are_heads():
 
 def test_lora_adapters_inside_attention_are_frozen_and_mlp_adapters_flooded():
     model = peft.get_peft_model(
-        build("gpt2"), peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, init_lora_weights=False)
+        build("gpt2"),
+        peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, init_lora_weights=False),
     )
     shield = aegis.protect(model, config=_config())
     plans = {p.name: p for p in shield.plans}
@@ -232,7 +233,9 @@ def test_bad_configuration_names_the_fix(make, error, match):
 
 def test_sparse_gradient_is_rejected_with_the_fix():
     model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
-    shield = aegis.protect(model, config=aegis.AegisConfig(role_overrides={r"^0\.": "token_embedding", r"^1\.": "head"}))
+    shield = aegis.protect(
+        model, config=aegis.AegisConfig(role_overrides={r"^0\.": "token_embedding", r"^1\.": "head"})
+    )
     model(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(ValueError, match="sparse=False"):
         shield.mask_()

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import aegis
+from aegis.attacks import shared_gradient
 from aegis.attacks.tag import tag, tag_tokens
 from aegis.metrics import null_gradient, rouge
 from aegis.models import minilm_tokenizer
-
-from aegis.attacks import shared_gradient
 
 SENTENCES = [
     "my password is blue sky",

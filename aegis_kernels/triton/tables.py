@@ -56,7 +56,9 @@ def _pinned_to(values: list, dtype: torch.dtype, device: torch.device):
     return host.to(device, non_blocking=True), host
 
 
-def group_layout(device: torch.device, itemsize: int, numels: tuple, bbases, cfg: LaunchConfig = PROCESS) -> GroupLayout:
+def group_layout(
+    device: torch.device, itemsize: int, numels: tuple, bbases, cfg: LaunchConfig = PROCESS
+) -> GroupLayout:
     """The address-free part of a grouped launch, cached by layout."""
     key = (device, itemsize, numels, tuple(bbases))
     hit = _LAYOUTS.get(key)

@@ -4,6 +4,16 @@ from .config import PRESETS, ROLES, AegisConfig, Calibration, Treatment
 from .exposure import ExposurePolicy
 from .shield import CoverageReport, Shield, protect
 
-__all__ = ["AegisConfig", "Calibration", "Treatment", "ExposurePolicy", "PRESETS", "ROLES", "Shield", "CoverageReport", "protect",
-           "calibration"]
+__all__ = [
+    "AegisConfig",
+    "Calibration",
+    "Treatment",
+    "ExposurePolicy",
+    "PRESETS",
+    "ROLES",
+    "Shield",
+    "CoverageReport",
+    "protect",
+    "calibration",
+]
 __version__ = "0.1.0"

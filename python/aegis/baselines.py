@@ -360,7 +360,9 @@ class DPSGD(Defence):
         return loss.detach()
 
     def defend_(self) -> None:
-        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and getattr(p, "grad_sample", None) is None]
+        missing = [
+            n for n, p in self.model.named_parameters() if p.requires_grad and getattr(p, "grad_sample", None) is None
+        ]
         if missing:
             raise RuntimeError(
                 f"Opacus produced no per-sample gradient for {missing} of {type(self.model).__name__}: their "

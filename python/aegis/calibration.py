@@ -9,7 +9,7 @@ the private batch only through rho * clip(G). docs/design.md §1.3 argues the ch
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +24,8 @@ _PUBLIC_SEED = 20240917  # public: the synthetic batch is no secret
 def synthetic_loss(model: nn.Module, shape: tuple[int, int] = CALIBRATION_SHAPE) -> PublicLoss:
     """Loss of a Hugging Face model on uniformly random token ids (a fixed public generator):
     language-model heads predict the ids themselves, classifiers a random label."""
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    getter = getattr(model, "get_input_embeddings", None)
+    embeddings = getter() if callable(getter) else None
     base = getattr(embeddings, "base_layer", embeddings)  # an adapter (peft) wraps the table
     if not isinstance(base, nn.Embedding):
         raise ValueError(
@@ -47,7 +48,9 @@ def synthetic_loss(model: nn.Module, shape: tuple[int, int] = CALIBRATION_SHAPE)
     return loss
 
 
-def text_loss(model: nn.Module, tokenizer, texts: Sequence[str], shape: tuple[int, int] = CALIBRATION_SHAPE) -> PublicLoss:
+def text_loss(
+    model: nn.Module, tokenizer, texts: Sequence[str], shape: tuple[int, int] = CALIBRATION_SHAPE
+) -> PublicLoss:
     """Language-model loss on text the user declares public, tokenized to the fixed calibration shape."""
     batch, length = shape
     if not texts:

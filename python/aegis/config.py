@@ -6,9 +6,10 @@ import enum
 import math
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal, Mapping
+from typing import Literal
 
 from .exposure import ExposurePolicy
 
@@ -173,7 +174,9 @@ class AegisConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.preset, str) and self.preset not in PRESETS:
-            raise ValueError(f"preset={self.preset!r} is unknown: use one of {sorted(PRESETS)} or a role -> Treatment mapping")
+            raise ValueError(
+                f"preset={self.preset!r} is unknown: use one of {sorted(PRESETS)} or a role -> Treatment mapping"
+            )
         for role in (*self.overrides, *self.role_overrides.values()):
             if role not in ROLES:
                 raise ValueError(f"unknown role {role!r} in overrides/role_overrides: roles are {ROLES}")
@@ -212,5 +215,5 @@ class AegisConfig:
             return self.exposure_budget
         return PRESET_EXPOSURES[self.preset] if isinstance(self.preset, str) else 1
 
-    def replace(self, **changes) -> "AegisConfig":
+    def replace(self, **changes) -> AegisConfig:
         return dataclasses.replace(self, **changes)

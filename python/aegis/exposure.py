@@ -6,8 +6,8 @@ by sqrt(K) and reads a signal a single export hides. Each preset promises its st
 exposures per example (``PRESET_EXPOSURES``); the tracker counts them and the shield enforces the budget.
 
 Examples are recognised by their token ids, read by a forward pre-hook on the model's input embedding
-(every forward under grad mode since the gradients were last empty or masked), with padding stripped so that one sentence
-padded to different lengths is one example. The digests are keyed by a per-tracker secret salt, so the
+(every forward under grad mode since the gradients were last empty or masked), with padding stripped so that one
+sentence padded to different lengths is one example. The digests are keyed by a per-tracker secret salt, so the
 table kept in memory does not let anyone test a guessed sentence against it.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import enum
 import hashlib
 import secrets
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -40,7 +40,8 @@ class ExposureTracker:
     """Counts per example (token-id digest) how many masked exports carried it."""
 
     def __init__(self, model: nn.Module, budget: int, fresh: Callable[[], bool]):
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        getter = getattr(model, "get_input_embeddings", None)
+        embeddings = getter() if callable(getter) else None
         if embeddings is None:  # a plain module: its first embedding table sees the ids
             embeddings = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
         if embeddings is None:
@@ -76,7 +77,7 @@ class ExposureTracker:
             row = row[int(keep[0]) : int(keep[-1]) + 1] if len(keep) else row[:0]
         return hashlib.blake2b(row.to(torch.int64).numpy().tobytes(), key=self._salt, digest_size=16).digest()
 
-    def paused(self) -> "_Pause":
+    def paused(self) -> _Pause:
         """Forwards inside this context (the public calibration's) are not the client's examples."""
         return _Pause(self)
 

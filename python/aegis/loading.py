@@ -19,7 +19,7 @@ def embedded_minilm_path() -> str:
 
 def load_config(spec: str):
     """A transformers config from an alias, a local path, a model type ("gpt2", "llama") or a hub name."""
-    from transformers import AutoConfig, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     if spec in ALIASES:
         return AutoConfig.from_pretrained(embedded_minilm_path())

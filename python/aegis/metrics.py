@@ -5,7 +5,7 @@ not count. Scores average over references: a reference nobody reconstructed scor
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn

@@ -46,7 +46,9 @@ LORA_EMBEDDING_ROLE = "token_embedding_lora"
 _ATTENTION_CLASS = re.compile(r"Attention|SelfOutput$|Attn")
 _ATTENTION_PATH = re.compile(r"(^|\.)(attn|attention|self_attn|self_attention|cross_attn|encoder_attn)(\.|$)")
 _NORM_CLASS = re.compile(r"Norm")
-_MLP_CLASS = re.compile(r"MLP|Intermediate|FeedForward|FFN|Mlp|(?<!Self)Output$|Expert|LayerFF$|DenseActDense$|DenseGatedActDense$")
+_MLP_CLASS = re.compile(
+    r"MLP|Intermediate|FeedForward|FFN|Mlp|(?<!Self)Output$|Expert|LayerFF$|DenseActDense$|DenseGatedActDense$"
+)
 _MLP_PATH = re.compile(
     r"(^|\.)(mlp|ffn|ffn_output|feed_forward|intermediate|experts|fc1|fc2|fc_in|fc_out|c_fc|w1|w2|w3|"
     r"up_proj|gate_proj|down_proj|gate_up_proj|dense_h_to_4h|dense_4h_to_h|wi|wi_0|wi_1|wo|DenseReluDense)(\.|$)"
@@ -194,8 +196,10 @@ def detect_role(model: nn.Module, name: str, param: nn.Parameter, overrides: lis
     for pattern, role in overrides:
         if pattern.search(name):
             return role
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_input = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    embeddings = get_input() if callable(get_input) else None
+    head = get_output() if callable(get_output) else None
     if embeddings is not None and param is getattr(embeddings, "weight", None):
         return "token_embedding"
     if head is not None and param is getattr(head, "weight", None):

@@ -77,7 +77,17 @@ def attention_attack(
             found = _decoder(model, tokenizer, span1, probe1, span2, probe2, token_rule, sequence_rule, limit, beam)
         else:
             found = _encoder(
-                model, tokenizer, batch_size, span1, probe1, span2, probe2, token_rule, sequence_rule, limit, search_budget
+                model,
+                tokenizer,
+                batch_size,
+                span1,
+                probe1,
+                span2,
+                probe2,
+                token_rule,
+                sequence_rule,
+                limit,
+                search_budget,
             )
     return decode(tokenizer, assemble(found, batch_size))
 
@@ -203,7 +213,9 @@ def _search(model, probe, span, lists, cls, sep, token_type, budget, rule):
         current, cur_res = start, score([start])[0]
         spent += 1
         while spent < budget:
-            moves = [current[:q] + (t,) + current[q + 1 :] for q, opts in enumerate(lists) for t in opts if t != current[q]]
+            moves = [
+                current[:q] + (t,) + current[q + 1 :] for q, opts in enumerate(lists) for t in opts if t != current[q]
+            ]
             res = score(moves)
             spent += len(moves)
             k = int(res.mean(-1).argmin())

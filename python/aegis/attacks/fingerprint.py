@@ -30,8 +30,8 @@ Scores are "lower = more likely". Entry points: :func:`flood_levels`, :func:`pre
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -174,9 +174,12 @@ class FingerprintAttack:
             with _eval(self.model):
                 stats = public_statistics([t.param for t in self.tensors], [t.mode for t in self.tensors], loss, tau,
                                           [t.transposed for t in self.tensors])
-            self._public = torch.stack([
-                ref.public_params(stat, t.mode, t.rho, t.lam, tau, t.clip, t.snr) for stat, t in zip(stats, self.tensors)
-            ]).cpu()
+            self._public = torch.stack(
+                [
+                    ref.public_params(stat, t.mode, t.rho, t.lam, tau, t.clip, t.snr)
+                    for stat, t in zip(stats, self.tensors)
+                ]
+            ).cpu()
         return self._public
 
     def params(self, grads: Sequence[Tensor]) -> Tensor:

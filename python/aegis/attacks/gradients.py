@@ -1,7 +1,7 @@
 """What one FedSGD client shares: the gradient of its batch loss (attacks.md §1.1)."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

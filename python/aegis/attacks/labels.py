@@ -47,16 +47,17 @@ are near uniform, this is accurate to ~B·0.003 counts on MiniLM; for a trained 
 estimate, which is the known weak point of count estimation (LLG's offset has the same limitation).
 
 Scale: a defence that multiplies the gradient by ``rho`` (AEGIS's floods export ``rho · clip(G) + σ Z``) shrinks
-``ĝ`` by that factor (and by the clip factor when clipping bites), and the shrink cannot be told from the gradient alone (counts ``n`` and ``2 n − B p̄`` fit a
-gradient equally well when ``p̄`` is uniform). B = 1 does not care (argmin); for counts, an adaptive attacker who
-knows the defence's public parameters (Kerckhoffs: not its secret seed) passes ``gain=rho``.
+``ĝ`` by that factor (and by the clip factor when clipping bites), and the shrink cannot be told from the
+gradient alone (counts ``n`` and ``2 n − B p̄`` fit a gradient equally well when ``p̄`` is uniform). B = 1 does
+not care (argmin); for counts, an adaptive attacker who knows the defence's public parameters (Kerckhoffs: not
+its secret seed) passes ``gain=rho``.
 """
 from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -183,7 +184,7 @@ def _random_probe(model: nn.Module, device: torch.device) -> dict[str, Tensor]:
     return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
 
 
-_PROBE_CACHE: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, tuple[Tensor, Tensor]]]" = weakref.WeakKeyDictionary()
+_PROBE_CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, tuple[Tensor, Tensor]]] = weakref.WeakKeyDictionary()
 
 
 def _probe(model: nn.Module, head: Head, probe_inputs: Mapping[str, Tensor] | None) -> tuple[Tensor, Tensor]:

@@ -88,7 +88,9 @@ def _scanner(model: nn.Module, probe: str):
     inner = getattr(model, "model", None)
     if inner is not None and hasattr(inner, "rotary_emb") and hasattr(inner.layers[0], "post_attention_layernorm"):
         return _LlamaScan(model)
-    warnings.warn(f"mlp_span: no fast path for {type(model).__name__}; scanning with full forwards (slow)")
+    warnings.warn(
+        f"mlp_span: no fast path for {type(model).__name__}; scanning with full forwards (slow)", stacklevel=2
+    )
     vocab = torch.arange(model.get_input_embeddings().num_embeddings, device=model.device)[:, None]
 
     def full(prefix):

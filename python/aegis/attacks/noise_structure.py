@@ -38,7 +38,7 @@ the lane pairs (2k, 2k+1)).
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -114,10 +114,10 @@ def angle_features(x: Tensor, sigma: float | Tensor, strides: Iterable[int] = ST
         c, s = torch.where(zero, 1.0, a / r), b / r  # e^{i theta}
         for _ in range(bits[0]):  # e^{i 2^b0 theta}
             c, s = (c - s) * (c + s), 2 * c * s
-        for n, (c, s) in enumerate(_doubling_phases(c, s, len(bits))):
+        for n, (cos, sin) in enumerate(_doubling_phases(c, s, len(bits))):
             # on the lattice within tol <=> the phase 2^b theta within 2^b tol of 0 (mod 2 pi)
             cut = math.cos(min(2.0 ** (bits[0] + n) * tol, math.pi))
-            feats += [c.mean(1), s.mean(1), (c >= cut).double().mean(1)]
+            feats += [cos.mean(1), sin.mean(1), (cos >= cut).double().mean(1)]
     return _stack(feats, x)
 
 

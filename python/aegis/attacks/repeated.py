@@ -7,7 +7,7 @@ this mean. ``AegisConfig.exposure_budget`` is the shield's answer; this is the a
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from torch import Tensor
 

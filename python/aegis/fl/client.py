@@ -35,15 +35,15 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-from dataclasses import dataclass, field
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from torch import Tensor, nn
 
-from ..defence import Aegis, Batch, Defence, LossFn, lm_loss
 from ..config import AegisConfig
+from ..defence import Aegis, Batch, Defence, LossFn, lm_loss
 from ..shield import Shield
 
 ARRAYS_KEY, METRICS_KEY, CONFIG_KEY, PROOF_KEY = "arrays", "metrics", "config", "aegis"
@@ -70,7 +70,10 @@ def config_from_run_config(run_config: Mapping, base: AegisConfig | None = None)
     base = base or AegisConfig()
     keys = sorted(k for k in run_config if k.startswith("aegis-"))
     if "aegis-seed" in keys:
-        raise ValueError("run_config sets 'aegis-seed': AEGIS clients draw secret seeds; a shared seed would let the server remove the noise")
+        raise ValueError(
+            "run_config sets 'aegis-seed': AEGIS clients draw secret seeds; a shared seed would let the server "
+            "remove the noise"
+        )
     unknown = [k for k in keys if k not in RUN_CONFIG_KEYS]
     if unknown:
         raise ValueError(f"unknown run_config key(s) {unknown}: AEGIS reads {sorted(RUN_CONFIG_KEYS)}")
@@ -141,7 +144,9 @@ def reply_content(arrays: ArrayRecord, proof: ConfigRecord | None = None) -> Rec
 
 def refuse(msg: Message, reason: str) -> Message:
     """The error reply AegisMod sends instead of an unmasked one."""
-    return Message(Error(code=MOD_FAILED_PRECONDITION, reason=f"AegisMod refused to send the reply: {reason}"), reply_to=msg)
+    return Message(
+        Error(code=MOD_FAILED_PRECONDITION, reason=f"AegisMod refused to send the reply: {reason}"), reply_to=msg
+    )
 
 
 class AegisMod:
@@ -208,7 +213,9 @@ def _unmasked(content: RecordDict, session: _Session) -> str | None:
             f"remove them ({_BUILD_HINT})"
         )
     if METRICS_KEY not in metrics:
-        return f"the reply has no MetricRecord '{METRICS_KEY}' = {REPLY_METRICS} (FedSGD needs its weight); {_BUILD_HINT}"
+        return (
+            f"the reply has no MetricRecord '{METRICS_KEY}' = {REPLY_METRICS} (FedSGD needs its weight); {_BUILD_HINT}"
+        )
     unknown = sorted(k for k in metrics[METRICS_KEY] if k not in REPLY_METRICS)
     if unknown:
         return (
@@ -228,7 +235,10 @@ def _unmasked(content: RecordDict, session: _Session) -> str | None:
         return "the arrays are not marked as masked (pack them with aegis.fl.pack_masked(shield))"
     if sorted(proof) != sorted(PROOF_FIELDS):
         extra = sorted(set(proof) - set(PROOF_FIELDS))
-        return f"the proof '{PROOF_KEY}' has fields {extra} beyond {list(PROOF_FIELDS)}: send pack_masked's proof unchanged"
+        return (
+            f"the proof '{PROOF_KEY}' has fields {extra} beyond {list(PROOF_FIELDS)}: send pack_masked's proof "
+            "unchanged"
+        )
     d = digest(record)
     if proof.get("digest") != d:
         return "the arrays changed after masking (digest mismatch)"
@@ -309,7 +319,9 @@ def load_arrays(model: nn.Module, record: ArrayRecord) -> None:
     expected = {n for n, p in params.items() if p.requires_grad}
     if set(record.keys()) != expected:
         extra, missing = sorted(set(record.keys()) - expected), sorted(expected - set(record.keys()))
-        raise ValueError(f"the server's arrays do not match the trainable parameters (extra {extra[:3]}, missing {missing[:3]})")
+        raise ValueError(
+            f"the server's arrays do not match the trainable parameters (extra {extra[:3]}, missing {missing[:3]})"
+        )
     with torch.no_grad():
         for key, array in record.items():
             params[key].copy_(torch.from_numpy(array.numpy()))
@@ -322,7 +334,9 @@ def trainable_arrays(model: nn.Module) -> ArrayRecord:
 
 def _single_array_record(content: RecordDict) -> ArrayRecord:
     if len(content.array_records) != 1:
-        raise ValueError(f"expected one ArrayRecord (the global model) in the message, got {len(content.array_records)}")
+        raise ValueError(
+            f"expected one ArrayRecord (the global model) in the message, got {len(content.array_records)}"
+        )
     return next(iter(content.array_records.values()))
 
 

@@ -100,7 +100,9 @@ def run_rounds(
     trainers, apps, contexts = [], {}, {}
     for c, batches in enumerate(client_batches):
         node = FIRST_NODE_ID + c
-        trainer = ClientTrainer(copy.deepcopy(model), batches, defence=None if factory is None else factory(), loss_fn=loss_fn)
+        trainer = ClientTrainer(
+            copy.deepcopy(model), batches, defence=None if factory is None else factory(), loss_fn=loss_fn
+        )
         app = ClientApp()
         app.train(mods=[AegisMod(aegis_config)] if aegis_config is not None else None)(_with_faults(trainer, c, faults))
         trainers.append(trainer)
@@ -109,7 +111,11 @@ def run_rounds(
             run_id=0, node_id=node, node_config={"partition-id": c, "num-partitions": len(client_batches)},
             state=RecordDict(), run_config=run_config,
         )
-    grid = InProcessGrid(apps, contexts, absent=lambda node, msg: faults.get((server_round_of(msg.content), node - FIRST_NODE_ID)) == "absent")
+    grid = InProcessGrid(
+        apps,
+        contexts,
+        absent=lambda node, msg: faults.get((server_round_of(msg.content), node - FIRST_NODE_ID)) == "absent",
+    )
 
     utility: list[dict[str, float]] = []
 
@@ -126,7 +132,9 @@ def run_rounds(
     n = len(client_batches)
     with flower_runtime(), flower_log_level(logging.ERROR if quiet else None):
         strategy = FedSGD(optimizer=optimizer, lr=lr, min_train_nodes=n, min_available_nodes=n)
-        result = strategy.start(grid=grid, initial_arrays=trainable_arrays(server_model), num_rounds=rounds, evaluate_fn=evaluate)
+        result = strategy.start(
+            grid=grid, initial_arrays=trainable_arrays(server_model), num_rounds=rounds, evaluate_fn=evaluate
+        )
     if len(result.arrays):  # empty when no round produced a usable gradient
         load_arrays(server_model, result.arrays)
 

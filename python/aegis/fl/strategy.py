@@ -22,7 +22,7 @@ out of the average and counted in the round's metrics (``clients-ok``, ``clients
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -127,17 +127,26 @@ class FedSGD(FedAvg):
         for msg in replies:
             if msg.has_error():
                 failed += 1
-                log.warning("FedSGD round %d: node %d failed: %s", server_round, msg.metadata.src_node_id, msg.error.reason)
+                log.warning(
+                    "FedSGD round %d: node %d failed: %s", server_round, msg.metadata.src_node_id, msg.error.reason
+                )
                 continue
             problem = self._problem(msg.content)
             if problem:
                 rejected += 1
-                log.warning("FedSGD round %d: reply of node %d rejected: %s", server_round, msg.metadata.src_node_id, problem)
+                log.warning(
+                    "FedSGD round %d: reply of node %d rejected: %s", server_round, msg.metadata.src_node_id, problem
+                )
             else:
                 usable.append(msg.content)
         missing = max(self._sent.get(server_round, len(replies)) - len(replies), 0)
         metrics = MetricRecord(
-            {"clients-ok": len(usable), "clients-failed": failed, "clients-rejected": rejected, "clients-missing": missing}
+            {
+                "clients-ok": len(usable),
+                "clients-failed": failed,
+                "clients-rejected": rejected,
+                "clients-missing": missing,
+            }
         )
         if not usable:
             log.warning("FedSGD round %d: no usable gradient, global model unchanged", server_round)
@@ -164,7 +173,9 @@ class FedSGD(FedAvg):
         record = next(iter(content.array_records.values()))
         if set(record.keys()) != set(self.params):
             extra, absent = set(record.keys()) - set(self.params), set(self.params) - set(record.keys())
-            return f"gradient keys differ from the global arrays (extra {sorted(extra)[:3]}, missing {sorted(absent)[:3]})"
+            return (
+                f"gradient keys differ from the global arrays (extra {sorted(extra)[:3]}, missing {sorted(absent)[:3]})"
+            )
         for key, array in record.items():
             if tuple(array.shape) != tuple(self.params[key].shape):
                 return f"{key} has shape {tuple(array.shape)}, expected {tuple(self.params[key].shape)}"
