@@ -4,6 +4,7 @@ Fast tests call the validators and the CLI in process (a model load would fail t
 is replaced by a function that raises). The slow test runs the bad-input table of issue 17 through the
 installed ``aegis`` command, and checks that a late failure loses nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,20 +46,23 @@ def _error(result) -> str:
 # -- names and ranges ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("changes, option, fix", [
-    ({"defences": ("bogus",)}, "--defences", "aegis-paper-batch"),
-    ({"defences": ("none", "bogus")}, "--defences", "prune-90"),
-    ({"defences": ("none", "none")}, "--defences", "once"),
-    ({"attacks": ("dager", "nope")}, "--attacks", "fingerprint_secret"),
-    ({"models": ("gpt9",)}, "--models", "decoder, encoder"),
-    ({"models": ("decoder",), "attacks": ("labels",)}, "--attacks", "--models encoder"),
-    ({"rounds": 0}, "--rounds", "from 1"),
-    ({"batch_size": 1000}, "--batch-size", "to 64"),
-    ({"attack_rounds": 5}, "--attack-rounds", "at most 3"),
-    ({"attack_rounds": -1}, "--attack-rounds", "0 attacks every round"),
-    ({"validation_share": 0.9}, "--validation-share", "0.5"),
-    ({"models": ("encoder",), "decoder": "gpt2"}, "--model", "drop --model"),
-])
+@pytest.mark.parametrize(
+    "changes, option, fix",
+    [
+        ({"defences": ("bogus",)}, "--defences", "aegis-paper-batch"),
+        ({"defences": ("none", "bogus")}, "--defences", "prune-90"),
+        ({"defences": ("none", "none")}, "--defences", "once"),
+        ({"attacks": ("dager", "nope")}, "--attacks", "fingerprint_secret"),
+        ({"models": ("gpt9",)}, "--models", "decoder, encoder"),
+        ({"models": ("decoder",), "attacks": ("labels",)}, "--attacks", "--models encoder"),
+        ({"rounds": 0}, "--rounds", "from 1"),
+        ({"batch_size": 1000}, "--batch-size", "to 64"),
+        ({"attack_rounds": 5}, "--attack-rounds", "at most 3"),
+        ({"attack_rounds": -1}, "--attack-rounds", "0 attacks every round"),
+        ({"validation_share": 0.9}, "--validation-share", "0.5"),
+        ({"models": ("encoder",), "decoder": "gpt2"}, "--model", "drop --model"),
+    ],
+)
 def test_names_and_ranges_are_refused_with_the_fix(changes, option, fix):
     with pytest.raises(UsageError) as err:
         AuditConfig(**changes)
@@ -106,19 +110,22 @@ def _config(path, **changes) -> AuditConfig:
     return AuditConfig(dataset=str(path), models=("decoder",), **changes)
 
 
-@pytest.mark.parametrize("name, content, option, fix", [
-    ("missing.txt", None, "--dataset", "no such file"),
-    ("empty.txt", b"", "--dataset", "no sentences"),
-    ("blank.csv", b"text\n\n", "--dataset", "no sentences"),
-    ("random.txt", bytes(range(128, 256)) * 4, "--dataset", "save it as UTF-8"),
-    ("random.csv", os.urandom(2048).replace(b"\x00", b"\x01") + b"\xff", "--dataset", "UTF-8"),
-    ("nul.txt", b"one\x00two\n", "--dataset", "binary"),
-    ("table.csv", b"id,body\n1,hello there\n", "--text-field", "--text-field COLUMN"),
-    ("rows.jsonl", b'{"body": "x"}\n[1, 2]\n', "--dataset", "not an object"),
-    ("bad.jsonl", b'{"text": "x"}\n{oops\n', "--dataset", "line 2 is not JSON"),
-    ("data.parquet", b"PAR1", "--dataset", ".jsonl"),
-    ("small.txt", b"one sentence\nanother one\n", "--dataset", "lower --clients/--rounds/--batch-size"),
-])
+@pytest.mark.parametrize(
+    "name, content, option, fix",
+    [
+        ("missing.txt", None, "--dataset", "no such file"),
+        ("empty.txt", b"", "--dataset", "no sentences"),
+        ("blank.csv", b"text\n\n", "--dataset", "no sentences"),
+        ("random.txt", bytes(range(128, 256)) * 4, "--dataset", "save it as UTF-8"),
+        ("random.csv", os.urandom(2048).replace(b"\x00", b"\x01") + b"\xff", "--dataset", "UTF-8"),
+        ("nul.txt", b"one\x00two\n", "--dataset", "binary"),
+        ("table.csv", b"id,body\n1,hello there\n", "--text-field", "--text-field COLUMN"),
+        ("rows.jsonl", b'{"body": "x"}\n[1, 2]\n', "--dataset", "not an object"),
+        ("bad.jsonl", b'{"text": "x"}\n{oops\n', "--dataset", "line 2 is not JSON"),
+        ("data.parquet", b"PAR1", "--dataset", ".jsonl"),
+        ("small.txt", b"one sentence\nanother one\n", "--dataset", "lower --clients/--rounds/--batch-size"),
+    ],
+)
 def test_bad_datasets_are_refused_with_the_fix(tmp_path, name, content, option, fix):
     path = tmp_path / name
     if content is not None:
@@ -164,14 +171,17 @@ def test_a_split_column_is_used(tmp_path):
 # -- through the CLI, in process -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, option", [
-    (["--defences", "none,bogus"], "--defences"),
-    (["--rounds", "abc"], "--rounds"),
-    (["--attack-rounds", "9"], "--attack-rounds"),
-    (["--out", "/proc/aegis-x"], "--out"),
-    (["--threads", "0"], "--threads"),
-    (["--bogus-option"], "--bogus-option"),
-])
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--defences", "none,bogus"], "--defences"),
+        (["--rounds", "abc"], "--rounds"),
+        (["--attack-rounds", "9"], "--attack-rounds"),
+        (["--out", "/proc/aegis-x"], "--out"),
+        (["--threads", "0"], "--threads"),
+        (["--bogus-option"], "--bogus-option"),
+    ],
+)
 def test_cli_refuses_in_one_line_before_loading(no_model_loads, tmp_path, args, option):
     result = runner.invoke(app, ["audit", "--out", str(tmp_path / "out"), *args])
     assert result.exit_code == 2, result.output
@@ -192,8 +202,9 @@ def test_cli_dataset_errors_are_one_line(no_model_loads, tmp_path):
 
 def _aegis(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "80", "HF_HUB_OFFLINE": "0"}
-    return subprocess.run([sys.executable, "-m", "aegis.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "aegis.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.slow
@@ -246,8 +257,25 @@ def test_nothing_is_lost_when_out_fails_late(tmp_path, monkeypatch):
         return real(ctx, spec, *args, **kwargs)
 
     monkeypatch.setattr(runner_module, "federate", federate)
-    result = runner.invoke(app, ["audit", "--quick", "--out", str(out), "--defences", "none,prune-90",
-                                 "--attacks", "embedding_norm", "--rounds", "1", "--clients", "1", "--threads", "1"])
+    result = runner.invoke(
+        app,
+        [
+            "audit",
+            "--quick",
+            "--out",
+            str(out),
+            "--defences",
+            "none,prune-90",
+            "--attacks",
+            "embedding_norm",
+            "--rounds",
+            "1",
+            "--clients",
+            "1",
+            "--threads",
+            "1",
+        ],
+    )
     assert result.exit_code == 1, result.output
     line = _error(result)
     assert "--out" in line and str(out) in line
@@ -270,8 +298,25 @@ def test_a_crash_mid_run_keeps_the_finished_defences(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner_module, "federate", federate)
     out = tmp_path / "out"
-    result = runner.invoke(app, ["audit", "--quick", "--out", str(out), "--defences", "none,prune-90",
-                                 "--attacks", "embedding_norm", "--rounds", "1", "--clients", "1", "--threads", "1"])
+    result = runner.invoke(
+        app,
+        [
+            "audit",
+            "--quick",
+            "--out",
+            str(out),
+            "--defences",
+            "none,prune-90",
+            "--attacks",
+            "embedding_norm",
+            "--rounds",
+            "1",
+            "--clients",
+            "1",
+            "--threads",
+            "1",
+        ],
+    )
     assert result.exit_code == 1
     line = _error(result)
     assert "simulated failure with a second line" in line and "--debug" in line and "report.json" in line

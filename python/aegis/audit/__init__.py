@@ -1,10 +1,21 @@
 """``aegis audit``: privacy/utility report of AEGIS and baselines against the attack suite."""
+
 from .options import ATTACKS, DEFAULT_ATTACKS, DEFENCES, MODELS, AuditConfig, UsageError
 from .records import AuditReport
 from .runner import Progress, run_audit
 
-__all__ = ["AuditConfig", "AuditReport", "Progress", "UsageError", "run_audit", "ATTACKS", "DEFAULT_ATTACKS",
-           "DEFENCES", "MODELS", "audit"]
+__all__ = [
+    "AuditConfig",
+    "AuditReport",
+    "Progress",
+    "UsageError",
+    "run_audit",
+    "ATTACKS",
+    "DEFAULT_ATTACKS",
+    "DEFENCES",
+    "MODELS",
+    "audit",
+]
 
 
 def audit(config: AuditConfig | None = None, out: str = "aegis-report") -> AuditReport:

@@ -15,13 +15,14 @@ The flood-level attacks rebuild AEGIS's calibration from its public configuratio
 they apply to the AEGIS rows only; a baseline has no flood level to read (its rows say n/a).
 Encoder candidates carry their true labels: the attacker is given the labels, an upper bound.
 """
+
 from __future__ import annotations
 
 import copy
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -66,8 +67,10 @@ class ModelContext:
         return "greedy" if self.kind == "decoder" else "hungarian"
 
     def references(self, batch: dict[str, Tensor]) -> list[str]:
-        return [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-                for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+        return [
+            self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+            for ids, mask in zip(batch["input_ids"], batch["attention_mask"])
+        ]
 
     def clean_gradient(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """The undefended gradient of ``batch`` on the initial model (eval mode, as the clients)."""
@@ -110,7 +113,9 @@ def text_scores(predictions: list[str], references: list[str], tokenizer, alignm
     wanted = {t for ref in references for t in token_ids(tokenizer, ref)}
     got = {t for pred in predictions for t in token_ids(tokenizer, pred)}
     return {
-        "rouge1": scores["rouge1"], "rouge2": scores["rouge2"], "rougeL": scores["rougeL"],
+        "rouge1": scores["rouge1"],
+        "rouge2": scores["rouge2"],
+        "rougeL": scores["rougeL"],
         "token_recall": len(wanted & got) / len(wanted) if wanted else 0.0,
         "exact_rate": metrics.exact_rate(predictions, references),
     }
@@ -123,7 +128,9 @@ def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(sum(r[k] for r in rows) / len(rows), 4) for k in keys}
 
 
-def reconstruction_rows(ctx: ModelContext, defence: str, attack: str, refs: list[str], preds: list[str]) -> list[Reconstruction]:
+def reconstruction_rows(
+    ctx: ModelContext, defence: str, attack: str, refs: list[str], preds: list[str]
+) -> list[Reconstruction]:
     from .. import metrics
 
     rows = []
@@ -131,10 +138,18 @@ def reconstruction_rows(ctx: ModelContext, defence: str, attack: str, refs: list
     for ref, j in zip(refs, metrics.align(preds, refs, ctx.alignment)):
         pred = "" if j is None else preds[j]
         ids = token_ids(tok, pred)
-        rows.append(Reconstruction(
-            ctx.kind, defence, attack, ref, pred if len(ids) <= MAX_TOKENS else tok.decode(ids[:MAX_TOKENS]),
-            tok.convert_ids_to_tokens(token_ids(tok, ref)), tok.convert_ids_to_tokens(ids[:MAX_TOKENS]),
-            max(0, len(ids) - MAX_TOKENS)))
+        rows.append(
+            Reconstruction(
+                ctx.kind,
+                defence,
+                attack,
+                ref,
+                pred if len(ids) <= MAX_TOKENS else tok.decode(ids[:MAX_TOKENS]),
+                tok.convert_ids_to_tokens(token_ids(tok, ref)),
+                tok.convert_ids_to_tokens(ids[:MAX_TOKENS]),
+                max(0, len(ids) - MAX_TOKENS),
+            )
+        )
     return rows
 
 
@@ -151,8 +166,15 @@ class AuditAttack:
     def null(self, ctx: ModelContext, first: Target) -> NullBaseline:
         raise NotImplementedError
 
-    def run(self, ctx: ModelContext, defence: DefenceSpec, targets: list[Target], models: list[nn.Module],
-            null: NullBaseline, tick: Callable[[float], None]) -> tuple[AttackRecord, list[Reconstruction]]:
+    def run(
+        self,
+        ctx: ModelContext,
+        defence: DefenceSpec,
+        targets: list[Target],
+        models: list[nn.Module],
+        null: NullBaseline,
+        tick: Callable[[float], None],
+    ) -> tuple[AttackRecord, list[Reconstruction]]:
         raise NotImplementedError
 
     unit = "text"
@@ -176,8 +198,13 @@ class TextAttack(AuditAttack):
 
         preds = self._fn()(ctx.model, null_gradient(first.grads), ctx.tokenizer, len(first.references))
         scores = text_scores(preds, first.references, ctx.tokenizer, ctx.alignment)
-        return NullBaseline(ctx.kind, self.name, round(scores["rouge1"], 4), round(scores["token_recall"], 4),
-                            "the attack on a Gaussian gradient of matched per-tensor norms")
+        return NullBaseline(
+            ctx.kind,
+            self.name,
+            round(scores["rouge1"], 4),
+            round(scores["token_recall"], 4),
+            "the attack on a Gaussian gradient of matched per-tensor norms",
+        )
 
     def run(self, ctx, defence, targets, models, null, tick):
         fn = self._fn()
@@ -191,8 +218,18 @@ class TextAttack(AuditAttack):
                 recon = reconstruction_rows(ctx, defence.name, self.name, target.references, preds)
             tick(COST["text"])
         scores = _mean(rows)
-        record = AttackRecord(ctx.kind, defence.name, self.name, "rouge1", scores["rouge1"], null.score, len(rows),
-                              round(seconds, 2), null_token_recall=null.token_recall, **scores)
+        record = AttackRecord(
+            ctx.kind,
+            defence.name,
+            self.name,
+            "rouge1",
+            scores["rouge1"],
+            null.score,
+            len(rows),
+            round(seconds, 2),
+            null_token_recall=null.token_recall,
+            **scores,
+        )
         return record, recon
 
 
@@ -205,8 +242,12 @@ class LabelAttack(AuditAttack):
     def null(self, ctx, first):
         from ..attacks.labels import label_null
 
-        return NullBaseline(ctx.kind, self.name, round(label_null(len(ctx.label_ids), len(first.references)), 4),
-                            how="uniform guessing of the labels (label_null)")
+        return NullBaseline(
+            ctx.kind,
+            self.name,
+            round(label_null(len(ctx.label_ids), len(first.references)), 4),
+            how="uniform guessing of the labels (label_null)",
+        )
 
     @staticmethod
     def _gain(model: nn.Module, defence: DefenceSpec) -> float:
@@ -233,8 +274,17 @@ class LabelAttack(AuditAttack):
             tick(COST["label"])
         score = round(sum(accuracies) / len(accuracies), 4) if accuracies else 0.0
         note = f"gain {gain:g} (the head's public rho)" if gain != 1.0 else ""
-        return AttackRecord(ctx.kind, defence.name, self.name, "accuracy", score, null.score, len(accuracies),
-                            round(seconds, 2), note=note), []
+        return AttackRecord(
+            ctx.kind,
+            defence.name,
+            self.name,
+            "accuracy",
+            score,
+            null.score,
+            len(accuracies),
+            round(seconds, 2),
+            note=note,
+        ), []
 
 
 class _Fingerprint(AuditAttack):
@@ -247,8 +297,14 @@ class _Fingerprint(AuditAttack):
         return NullBaseline(ctx.kind, self.name, round(1 / ctx.config.candidates, 4), how="1 / N (a random pick)")
 
     @staticmethod
-    def _score(ctx: ModelContext, defence: DefenceSpec, model: nn.Module, candidates: list[dict[str, Tensor]],
-               observations: list[tuple[list[dict[str, Tensor]], int]], tick) -> tuple[dict[str, float], dict[str, list[float]]]:
+    def _score(
+        ctx: ModelContext,
+        defence: DefenceSpec,
+        model: nn.Module,
+        candidates: list[dict[str, Tensor]],
+        observations: list[tuple[list[dict[str, Tensor]], int]],
+        tick,
+    ) -> tuple[dict[str, float], dict[str, list[float]]]:
         """Every variant's accuracy (mean P(truth first), ties at random) over the trials, scoring each
         candidate once (its prediction is dropped before the next: the likelihood variant keeps the
         candidate's whole signal). A trial holds K independent exports of one batch; their scores add
@@ -299,12 +355,13 @@ class FingerprintPool(_Fingerprint):
             rng = random.Random(ctx.config.seed * 1000 + r)
             pool = list(ctx.decoys)
             rng.shuffle(pool)
-            decoys = [pool[i * size:(i + 1) * size] for i in range(max(0, n - len(truths)))]
+            decoys = [pool[i * size : (i + 1) * size] for i in range(max(0, n - len(truths)))]
             decoys = [d for d in decoys if len(d) == size]
             candidates = [t.batch for t in round_targets] + [ctx.build(d) for d in decoys]
             t0 = time.perf_counter()
-            accuracy, rk = self._score(ctx, defence, models[r - 1], candidates,
-                                       [([t.grads], i) for i, t in enumerate(round_targets)], tick)
+            accuracy, rk = self._score(
+                ctx, defence, models[r - 1], candidates, [([t.grads], i) for i, t in enumerate(round_targets)], tick
+            )
             seconds += time.perf_counter() - t0
             for v, a in accuracy.items():
                 record_scores.setdefault(v, []).append(a * len(round_targets))
@@ -313,11 +370,25 @@ class FingerprintPool(_Fingerprint):
             n = len(candidates)
         variants = {v: round(sum(s) / trials, 4) for v, s in record_scores.items()}
         best, p = self._best(variants, ranks, n)
-        note = (f"best variant {best}; truth's mean rank {sum(ranks[best]) / len(ranks[best]):.1f} of {n}; "
-                f"batches of {len(targets[0].examples)}")
-        return AttackRecord(ctx.kind, defence.name, self.name, "accuracy", variants[best], null.score, trials,
-                            round(seconds, 2), candidates=n, variants=variants, note=note, ranks=ranks[best],
-                            p_value=round(p, 6)), []
+        note = (
+            f"best variant {best}; truth's mean rank {sum(ranks[best]) / len(ranks[best]):.1f} of {n}; "
+            f"batches of {len(targets[0].examples)}"
+        )
+        return AttackRecord(
+            ctx.kind,
+            defence.name,
+            self.name,
+            "accuracy",
+            variants[best],
+            null.score,
+            trials,
+            round(seconds, 2),
+            candidates=n,
+            variants=variants,
+            note=note,
+            ranks=ranks[best],
+            p_value=round(p, 6),
+        ), []
 
 
 class FingerprintSecret(_Fingerprint):
@@ -369,14 +440,32 @@ class FingerprintSecret(_Fingerprint):
         accuracy, ranks = self._score(ctx, defence, models[0], candidates, observations, tick)
         seconds = time.perf_counter() - t0
         best, p = self._best(accuracy, ranks, cfg.candidates)
-        after = (f"export {k + 1} refused" if refused == len(truths)
-                 else f"export {k + 1} accepted in {len(truths) - refused} of {len(truths)} trials")
-        note = (f"K = {k} exports per trial (the exposure budget), scored jointly; {after}; best variant {best}; "
-                f"truth's mean rank {sum(ranks[best]) / len(ranks[best]):.1f} of {cfg.candidates}")
-        return AttackRecord(ctx.kind, defence.name, self.name, "accuracy", accuracy[best], null.score, len(truths),
-                            round(seconds, 2), candidates=cfg.candidates, variants=accuracy, note=note,
-                            exposures=k, refused_after=k if refused == len(truths) else None, ranks=ranks[best],
-                            p_value=round(p, 6)), []
+        after = (
+            f"export {k + 1} refused"
+            if refused == len(truths)
+            else f"export {k + 1} accepted in {len(truths) - refused} of {len(truths)} trials"
+        )
+        note = (
+            f"K = {k} exports per trial (the exposure budget), scored jointly; {after}; best variant {best}; "
+            f"truth's mean rank {sum(ranks[best]) / len(ranks[best]):.1f} of {cfg.candidates}"
+        )
+        return AttackRecord(
+            ctx.kind,
+            defence.name,
+            self.name,
+            "accuracy",
+            accuracy[best],
+            null.score,
+            len(truths),
+            round(seconds, 2),
+            candidates=cfg.candidates,
+            variants=accuracy,
+            note=note,
+            exposures=k,
+            refused_after=k if refused == len(truths) else None,
+            ranks=ranks[best],
+            p_value=round(p, 6),
+        ), []
 
 
 def make(name: str) -> AuditAttack:

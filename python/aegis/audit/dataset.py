@@ -5,6 +5,7 @@ Sources: the shipped corpus (its own train/validation split), a local ``.txt`` (
 A file with a ``split`` column uses its ``validation`` rows; otherwise (and for a ``.txt``) a seeded share
 of the sentences is held out for validation, never trained on, and the report says so.
 """
+
 from __future__ import annotations
 
 import csv
@@ -38,8 +39,13 @@ class AuditData:
 def load(config: AuditConfig) -> AuditData:
     """Read, decode and check the dataset; raises :class:`UsageError` naming ``--dataset`` and the fix."""
     if config.dataset is None or config.dataset in ("aegis", "corpus", "default"):
-        data = AuditData(load_corpus("train"), load_corpus("validation"), "the shipped corpus (aegis.data)",
-                         "the corpus's own validation split (20 % per topic)", LABELS)
+        data = AuditData(
+            load_corpus("train"),
+            load_corpus("validation"),
+            "the shipped corpus (aegis.data)",
+            "the corpus's own validation split (20 % per topic)",
+            LABELS,
+        )
     else:
         path = Path(config.dataset).expanduser()
         if path.exists() or path.suffix.lower() in (*SUFFIXES, ".json"):
@@ -62,8 +68,10 @@ def _from_file(path: Path, config: AuditConfig) -> AuditData:
         raise _fail(f"{name} is a folder: name a .txt, .csv or .jsonl file")
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
-        raise _fail(f"{name}: unsupported type {suffix or '(no suffix)'!r}; use .txt (one sentence per line), "
-                    ".csv (header row) or .jsonl")
+        raise _fail(
+            f"{name}: unsupported type {suffix or '(no suffix)'!r}; use .txt (one sentence per line), "
+            ".csv (header row) or .jsonl"
+        )
     try:
         raw = path.read_bytes()
     except OSError as err:
@@ -71,14 +79,17 @@ def _from_file(path: Path, config: AuditConfig) -> AuditData:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        raise _fail(f"{name} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}): "
-                    "save it as UTF-8") from None
+        raise _fail(
+            f"{name} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}): save it as UTF-8"
+        ) from None
     if "\x00" in text:
         raise _fail(f"{name} holds NUL bytes (a binary file?): name a UTF-8 text file")
     if suffix == ".txt":
         if config.text_field or config.label_field:
-            raise UsageError("--text-field" if config.text_field else "--label-field",
-                             "a .txt file has no columns (one sentence per line): use a .csv or .jsonl")
+            raise UsageError(
+                "--text-field" if config.text_field else "--label-field",
+                "a .txt file has no columns (one sentence per line): use a .csv or .jsonl",
+            )
         rows = [{"text": line.strip()} for line in text.splitlines() if line.strip()]
     elif suffix == ".csv":
         try:
@@ -95,8 +106,10 @@ def _from_file(path: Path, config: AuditConfig) -> AuditData:
             except json.JSONDecodeError as err:
                 raise _fail(f"{name} line {number} is not JSON ({err.msg}): one JSON object per line") from None
             if not isinstance(row, dict):
-                raise _fail(f"{name} line {number} is a JSON {type(row).__name__}, not an object: "
-                            'one {"text": ...} object per line')
+                raise _fail(
+                    f"{name} line {number} is a JSON {type(row).__name__}, not an object: "
+                    'one {"text": ...} object per line'
+                )
             rows.append(row)
     if not rows:
         raise _fail(f"{name} holds no sentences: give one sentence per line (.txt) or one row per sentence")
@@ -107,14 +120,17 @@ def _examples(rows: list[dict], name: str, config: AuditConfig) -> list[tuple[Ex
     columns = list(dict.fromkeys(k for row in rows[:50] for k in row if k is not None))
     text_key = config.text_field or next((c for c in TEXT_FIELDS if c in columns), None)
     if text_key is None:
-        raise UsageError("--text-field", f"{name} has no text column (columns: {', '.join(map(str, columns)) or 'none'}): "
-                         "pass --text-field COLUMN")
+        raise UsageError(
+            "--text-field",
+            f"{name} has no text column (columns: {', '.join(map(str, columns)) or 'none'}): pass --text-field COLUMN",
+        )
     if text_key not in columns:
         raise UsageError("--text-field", f"{name} has no column {text_key!r} (columns: {', '.join(map(str, columns))})")
     label_key = config.label_field or next((c for c in LABEL_FIELDS if c in columns), None)
     if config.label_field is not None and config.label_field not in columns:
-        raise UsageError("--label-field", f"{name} has no column {config.label_field!r} "
-                         f"(columns: {', '.join(map(str, columns))})")
+        raise UsageError(
+            "--label-field", f"{name} has no column {config.label_field!r} (columns: {', '.join(map(str, columns))})"
+        )
     out = []
     for row in rows:
         value = row.get(text_key)
@@ -145,8 +161,10 @@ def _split(items: list[tuple[Example, str | None]], rows: list[dict], name: str,
         held = set(order[:cut])
         train = [e for i, e in enumerate(examples) if i not in held]
         validation = [e for i, e in enumerate(examples) if i in held]
-        how = (f"{len(validation)} of {len(examples)} sentences ({config.validation_share:.0%}) held out at random "
-               f"(seed {config.seed}), never trained on")
+        how = (
+            f"{len(validation)} of {len(examples)} sentences ({config.validation_share:.0%}) held out at random "
+            f"(seed {config.seed}), never trained on"
+        )
     return AuditData(train, validation, name, how, _label_names(train + validation))
 
 
@@ -161,13 +179,17 @@ def _from_hub(name: str, config: AuditConfig) -> AuditData:
     try:
         import datasets  # noqa: F401
     except ImportError:
-        raise _fail(f"{name!r} is not a local file, and reading a Hugging Face dataset needs the 'datasets' "
-                    "package: pip install datasets, or name a .txt/.csv/.jsonl file") from None
+        raise _fail(
+            f"{name!r} is not a local file, and reading a Hugging Face dataset needs the 'datasets' "
+            "package: pip install datasets, or name a .txt/.csv/.jsonl file"
+        ) from None
     from ..loading import hub_reachable
 
     if not hub_reachable():
-        raise _fail(f"{name!r} is not a local file and the Hugging Face Hub is not reachable: name a local "
-                    ".txt/.csv/.jsonl file, or leave --dataset out for the shipped corpus")
+        raise _fail(
+            f"{name!r} is not a local file and the Hugging Face Hub is not reachable: name a local "
+            ".txt/.csv/.jsonl file, or leave --dataset out for the shipped corpus"
+        )
     from ..data import load_texts
 
     try:
@@ -194,15 +216,27 @@ def _check_size(data: AuditData, config: AuditConfig) -> None:
     if len(data.train) < need:
         raise _fail(
             f"{data.source} has {len(data.train)} training sentences; {config.clients} clients x {config.rounds} "
-            f"rounds x batch {config.batch_size} need {need}: add sentences or lower --clients/--rounds/--batch-size")
+            f"rounds x batch {config.batch_size} need {need}: add sentences or lower --clients/--rounds/--batch-size"
+        )
     if len(data.validation) < MIN_VALIDATION:
-        raise _fail(f"{data.source} has {len(data.validation)} validation sentences; utility needs at least "
-                    f"{MIN_VALIDATION}: add sentences")
+        raise _fail(
+            f"{data.source} has {len(data.validation)} validation sentences; utility needs at least "
+            f"{MIN_VALIDATION}: add sentences"
+        )
     if "encoder" in config.models:
         labelled = sum(e.label is not None for e in data.train)
         if len(data.labels) < 2 or labelled < len(data.train):
-            what = "no labels" if not data.labels else (
-                f"{len(data.labels)} label" if len(data.labels) < 2 else f"{len(data.train) - labelled} unlabelled rows")
-            raise UsageError("--label-field" if config.dataset else "--models",
-                             f"the encoder trains a classifier, but {data.source} has {what}: name the label column "
-                             "with --label-field, or pass --models decoder")
+            what = (
+                "no labels"
+                if not data.labels
+                else (
+                    f"{len(data.labels)} label"
+                    if len(data.labels) < 2
+                    else f"{len(data.train) - labelled} unlabelled rows"
+                )
+            )
+            raise UsageError(
+                "--label-field" if config.dataset else "--models",
+                f"the encoder trains a classifier, but {data.source} has {what}: name the label column "
+                "with --label-field, or pass --models decoder",
+            )

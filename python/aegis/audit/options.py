@@ -3,12 +3,13 @@
 Every check raises :class:`UsageError`: one line that names the option, what is wrong with it and the
 fix. The CLI turns it into ``error: ...`` and exit code 2.
 """
+
 from __future__ import annotations
 
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..config import AegisConfig, Calibration
@@ -16,7 +17,15 @@ from ..config import AegisConfig, Calibration
 MODELS = ("decoder", "encoder")
 TEXT_ATTACKS = ("dager", "embedding_norm", "mlp_span", "spectral", "tag")
 ATTACKS = (*TEXT_ATTACKS, "labels", "fingerprint_pool", "fingerprint_secret")
-DEFAULT_ATTACKS = ("dager", "embedding_norm", "mlp_span", "spectral", "labels", "fingerprint_pool", "fingerprint_secret")
+DEFAULT_ATTACKS = (
+    "dager",
+    "embedding_norm",
+    "mlp_span",
+    "spectral",
+    "labels",
+    "fingerprint_pool",
+    "fingerprint_secret",
+)
 ENCODER_ONLY = ("labels",)  # the label attack reads a classification head
 DEFENCES = (
     "none",
@@ -32,8 +41,16 @@ DEFENCES = (
     "prune-99",
     "soteria-80",
 )
-QUICK_DEFENCES = ("none", "aegis-paper", "aegis-utility", "aegis-paper-batch", "dp-noise-0.01", "dp-sgd-C1-z1",
-                  "prune-90", "soteria-80")
+QUICK_DEFENCES = (
+    "none",
+    "aegis-paper",
+    "aegis-utility",
+    "aegis-paper-batch",
+    "dp-noise-0.01",
+    "dp-sgd-C1-z1",
+    "prune-90",
+    "soteria-80",
+)
 DEFENCE_FORMS = "aegis-PRESET[-batch], dp-noise-SIGMA, dp-sgd-CC-zZ, prune-PERCENT, soteria-PERCENT"
 MAX_BATCH = 64
 MAX_CLIENTS = 64
@@ -75,7 +92,7 @@ class AuditConfig:
     secret_trials: int = 4  # secret-completion trials per defence (each one defended step at B = 1)
 
     @staticmethod
-    def quick(**changes) -> "AuditConfig":
+    def quick(**changes) -> AuditConfig:
         # One setting per baseline family keeps every family in the report.
         base = {"models": ("decoder",), "defences": QUICK_DEFENCES, "rounds": 2, "batch_size": 2, "secret_trials": 2}
         return AuditConfig(**{**base, **changes})
@@ -146,8 +163,9 @@ def resolve_defence(name: str) -> DefenceSpec:
     try:
         make_defence(name)
     except ValueError:
-        raise UsageError("--defences", f"unknown {name!r}; choose from {', '.join(DEFENCES)} "
-                         f"(or the forms {DEFENCE_FORMS})") from None
+        raise UsageError(
+            "--defences", f"unknown {name!r}; choose from {', '.join(DEFENCES)} (or the forms {DEFENCE_FORMS})"
+        ) from None
     return DefenceSpec(name)
 
 
@@ -178,14 +196,18 @@ def check_config(config: AuditConfig) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             hint = " (0 attacks every round)" if option == "--attack-rounds" else ""
             if option == "--attack-rounds" and isinstance(value, int) and value > config.rounds:
-                raise UsageError(option, f"{value} is more than --rounds {config.rounds}: use at most {config.rounds}{hint}")
+                raise UsageError(
+                    option, f"{value} is more than --rounds {config.rounds}: use at most {config.rounds}{hint}"
+                )
             raise UsageError(option, f"{value!r}: use a whole number from {low} to {high}{hint}")
     if not 0.05 <= config.validation_share <= 0.5:
         raise UsageError("--validation-share", f"{config.validation_share}: use a share from 0.05 to 0.5")
     if config.decoder is not None and "decoder" not in config.models:
         raise UsageError("--model", "names the decoder, but --models leaves the decoder out: add it or drop --model")
     if config.encoder is not None and "encoder" not in config.models:
-        raise UsageError("--encoder", "names the encoder, but --models leaves the encoder out: add it or drop --encoder")
+        raise UsageError(
+            "--encoder", "names the encoder, but --models leaves the encoder out: add it or drop --encoder"
+        )
     if config.label_field is not None and config.dataset is None:
         raise UsageError("--label-field", "needs --dataset (the shipped corpus has its labels)")
     if config.text_field is not None and config.dataset is None:
@@ -233,8 +255,11 @@ def check_model_name(option: str, name: str) -> None:
     from ..loading import hub_reachable
 
     if not hub_reachable():
-        raise UsageError(option, f"{name!r} is not in the local Hugging Face cache and the Hub is not "
-                                 "reachable: use a local model folder, or leave the option out for the embedded model")
+        raise UsageError(
+            option,
+            f"{name!r} is not in the local Hugging Face cache and the Hub is not "
+            "reachable: use a local model folder, or leave the option out for the embedded model",
+        )
     try:
         AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as err:

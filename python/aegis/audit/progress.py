@@ -1,5 +1,6 @@
 """Progress the user sees wherever the output goes: a live bar on a terminal, plain lines elsewhere
 (a log file, CI), each with the elapsed time and an ETA."""
+
 from __future__ import annotations
 
 import sys
@@ -53,11 +54,19 @@ class BarProgress:
     """A rich progress bar with elapsed time and ETA (terminals only)."""
 
     def __init__(self, console) -> None:
-        from rich.progress import BarColumn, Progress as Bar, TaskProgressColumn, TextColumn, TimeElapsedColumn
-        from rich.progress import TimeRemainingColumn
+        from rich.progress import BarColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
 
-        self.bar = Bar(TextColumn("{task.description}"), BarColumn(bar_width=20), TaskProgressColumn(),
-                       TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=True)
+        self.bar = Bar(
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=20),
+            TaskProgressColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        )
         self.task = self.bar.add_task("audit", total=None)
 
     def __enter__(self):
@@ -68,5 +77,7 @@ class BarProgress:
         return self.bar.__exit__(*exc)
 
     def hooks(self) -> Progress:
-        return Progress(total=lambda n: self.bar.update(self.task, total=n),
-                        advance=lambda label, cost=1.0: self.bar.update(self.task, advance=cost, description=label[:38]))
+        return Progress(
+            total=lambda n: self.bar.update(self.task, total=n),
+            advance=lambda label, cost=1.0: self.bar.update(self.task, advance=cost, description=label[:38]),
+        )

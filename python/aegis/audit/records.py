@@ -5,6 +5,7 @@ score (one :class:`AttackRecord` per model x defence x attack, with the attack's
 before any defence ran) -> :class:`Verdict` per model x defence. ``AuditReport.to_json()`` is the
 ``report.json`` schema (README "The audit").
 """
+
 from __future__ import annotations
 
 import math
@@ -113,7 +114,9 @@ class AttackRecord:
             recall_gap = self.token_recall - max(FLOOR, self.null_token_recall or 0.0)
             rouge_gap = self.score - max(FLOOR, self.null)
             if recall_gap > rouge_gap:
-                return f"{self.attack} token recall {self.token_recall:.2f} (null {self.null_token_recall or 0.0:.2f}){at}"
+                return (
+                    f"{self.attack} token recall {self.token_recall:.2f} (null {self.null_token_recall or 0.0:.2f}){at}"
+                )
             return f"{self.attack} ROUGE-1 {self.score:.2f} (null {self.null:.2f}){at}"
         return f"{self.attack} accuracy {self.score:.2f} (chance {self.null:.3f}){at}"
 
@@ -193,8 +196,17 @@ def verdicts(results: list[AttackRecord], model: str, defence: str, calibration:
     k = max((r.exposures for r in rows), default=1)
     refused = [r.refused_after for r in rows if r.exposures == k and r.refused_after is not None]
     suspect = [r.headline() for r in sorted((r for r in rows if r.suspect), key=lambda r: -r.excess)]
-    return Verdict(model, defence, not leaking, [r.headline() for r in leaking],
-                   max(text) if text else float("nan"), calibration, k, refused[0] if refused else None, suspect)
+    return Verdict(
+        model,
+        defence,
+        not leaking,
+        [r.headline() for r in leaking],
+        max(text) if text else float("nan"),
+        calibration,
+        k,
+        refused[0] if refused else None,
+        suspect,
+    )
 
 
 def _clean(value: Any) -> Any:
@@ -241,16 +253,18 @@ class AuditReport:
                 out.append(row)
             return out
 
-        return _clean({
-            "complete": self.complete,
-            "meta": self.meta,
-            "verdicts": rows(self.verdicts),
-            "results": rows(self.results),
-            "nulls": rows(self.nulls),
-            "utility": rows(self.utility),
-            "rounds": rows(self.rounds),
-            "reconstructions": rows(self.reconstructions),
-        })
+        return _clean(
+            {
+                "complete": self.complete,
+                "meta": self.meta,
+                "verdicts": rows(self.verdicts),
+                "results": rows(self.results),
+                "nulls": rows(self.nulls),
+                "utility": rows(self.utility),
+                "rounds": rows(self.rounds),
+                "reconstructions": rows(self.reconstructions),
+            }
+        )
 
 
 def report_from_json(data: dict[str, Any]) -> AuditReport:
@@ -261,7 +275,13 @@ def report_from_json(data: dict[str, Any]) -> AuditReport:
         names = {f.name for f in _fields(cls)}
         return [cls(**{k: v for k, v in item.items() if k in names}) for item in items or []]
 
-    return AuditReport(data.get("meta", {}), rows(NullBaseline, data.get("nulls")), rows(AttackRecord, data.get("results")),
-                       rows(UtilityRecord, data.get("utility")), rows(RoundsRecord, data.get("rounds")),
-                       rows(Reconstruction, data.get("reconstructions")), rows(Verdict, data.get("verdicts")),
-                       bool(data.get("complete")))
+    return AuditReport(
+        data.get("meta", {}),
+        rows(NullBaseline, data.get("nulls")),
+        rows(AttackRecord, data.get("results")),
+        rows(UtilityRecord, data.get("utility")),
+        rows(RoundsRecord, data.get("rounds")),
+        rows(Reconstruction, data.get("reconstructions")),
+        rows(Verdict, data.get("verdicts")),
+        bool(data.get("complete")),
+    )

@@ -4,6 +4,7 @@
 file, then rename); if the folder stops being writable mid-run, the writer moves to a fresh temporary
 folder and says where, so what finished is never lost.
 """
+
 from __future__ import annotations
 
 import html
@@ -58,6 +59,7 @@ class ReportWriter:
 
     def finish(self, report: AuditReport) -> list[Path]:
         """report.json, privacy_utility.png and report.html."""
+
         def write(folder: Path) -> list[Path]:
             write_json(report, folder / "report.json")
             plot(report, folder / "privacy_utility.png")
@@ -98,22 +100,41 @@ def utility_text(u) -> str:
 # -- the plot ------------------------------------------------------------------------------------------------------
 
 # Twelve hues that stay apart (and from the reference lines' greys).
-PALETTE = ("#000000", "#1f77b4", "#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-           "#bcbd22", "#7f7f7f", "#aec7e8", "#98df8a", "#ff9896", "#c5b0d5")
+PALETTE = (
+    "#000000",
+    "#1f77b4",
+    "#2ca02c",
+    "#d62728",
+    "#ff7f0e",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#17becf",
+    "#bcbd22",
+    "#7f7f7f",
+    "#aec7e8",
+    "#98df8a",
+    "#ff9896",
+    "#c5b0d5",
+)
 MARKERS = ("o", "*", "P", "X", "s", "D", "^", "v", "<", ">", "h", "p", "8", "d", "H")
 
 
 def _dodge(points: list[tuple[float, float]], log_x: bool, span: tuple[float, float]) -> list[float]:
     """Horizontal offsets (a share of the axis width; y stays exact, so no point crosses a threshold line)
     so that markers at (nearly) the same place sit side by side instead of on top of each other."""
+
     def pos(x: float) -> float:
         return math.log10(max(x, 1e-12)) if log_x else x
 
     width = max(pos(span[1]) - pos(span[0]), 1e-9)
     offsets = [0.0] * len(points)
     for i, (x, y) in enumerate(points):
-        while any(abs(pos(x) + offsets[i] * width - pos(points[j][0]) - offsets[j] * width) < 0.025 * width
-                  and abs(y - points[j][1]) < 0.04 for j in range(i)):
+        while any(
+            abs(pos(x) + offsets[i] * width - pos(points[j][0]) - offsets[j] * width) < 0.025 * width
+            and abs(y - points[j][1]) < 0.04
+            for j in range(i)
+        ):
             offsets[i] = -offsets[i] + (0.03 if offsets[i] <= 0 else 0.0)  # 0, +3 %, -3 %, +6 %, ...
     return offsets
 
@@ -151,10 +172,15 @@ def plot(report: AuditReport, path: Path) -> None:
         refs = [utility[0].before] + [u.value for u in utility if u.defence == "none"]
         span = (min(xs + refs), max(xs + refs)) if xs else (0.0, 1.0)
         verdict = {v.defence: v for v in report.verdicts if v.model == model}
-        for col, (title, ylabel) in enumerate((
-            ("reconstruction", "worst of ROUGE-1 and token recall\n(strongest text attack; lower is more private)"),
-            ("identification", "labels / 1-of-N fingerprint:\naccuracy above chance, (acc − chance) / (1 − chance)"),
-        )):
+        for col, (title, ylabel) in enumerate(
+            (
+                ("reconstruction", "worst of ROUGE-1 and token recall\n(strongest text attack; lower is more private)"),
+                (
+                    "identification",
+                    "labels / 1-of-N fingerprint:\naccuracy above chance, (acc − chance) / (1 − chance)",
+                ),
+            )
+        ):
             ax = axes[row][col]
             points, keep = [], []
             for u in utility:
@@ -172,8 +198,16 @@ def plot(report: AuditReport, path: Path) -> None:
                 v = verdict.get(u.defence)
                 leaking = v is not None and not v.holds
                 x = _shift(x, dx, metric == "perplexity", span)
-                ax.scatter(x, y, marker=marker, s=170 if marker == "*" else 95, facecolors=colour,
-                           edgecolors="red" if leaking else "white", linewidths=1.8 if leaking else 0.8, zorder=4)
+                ax.scatter(
+                    x,
+                    y,
+                    marker=marker,
+                    s=170 if marker == "*" else 95,
+                    facecolors=colour,
+                    edgecolors="red" if leaking else "white",
+                    linewidths=1.8 if leaking else 0.8,
+                    zorder=4,
+                )
             ax.axhline(BROKEN_ATTACK if col == 0 else MARGIN, color="tab:red", linestyle="--", linewidth=1)
             before = utility[0].before
             undefended = next((u.value for u in utility if u.defence == "none"), None)
@@ -195,28 +229,65 @@ def plot(report: AuditReport, path: Path) -> None:
             ax.set_ylim(-0.05, 1.1)
             ax.set_title(f"{model}: {title} vs utility")
             if any(offsets):
-                ax.text(0.99, 0.99, "markers at the same place are set side by side", transform=ax.transAxes,
-                        ha="right", va="top", fontsize=7, color="0.4")
+                ax.text(
+                    0.99,
+                    0.99,
+                    "markers at the same place are set side by side",
+                    transform=ax.transAxes,
+                    ha="right",
+                    va="top",
+                    fontsize=7,
+                    color="0.4",
+                )
             ax.grid(alpha=0.3)
         handles = []
         for u in utility:
             colour, marker = style[u.defence]
             v = verdict.get(u.defence)
-            label = u.defence + ("" if v is None else ("  LEAKS" if not v.holds else "  suspect" if v.suspect else "  holds"))
-            handles.append(Line2D([], [], linestyle="", marker=marker, markersize=11 if marker == "*" else 8,
-                                  markerfacecolor=colour, markeredgecolor="red" if v is not None and not v.holds else "white",
-                                  markeredgewidth=1.8 if v is not None and not v.holds else 0.8, label=label))
+            label = u.defence + (
+                "" if v is None else ("  LEAKS" if not v.holds else "  suspect" if v.suspect else "  holds")
+            )
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    linestyle="",
+                    marker=marker,
+                    markersize=11 if marker == "*" else 8,
+                    markerfacecolor=colour,
+                    markeredgecolor="red" if v is not None and not v.holds else "white",
+                    markeredgewidth=1.8 if v is not None and not v.holds else 0.8,
+                    label=label,
+                )
+            )
         handles += [
             Line2D([], [], color="tab:red", linestyle="--", label="leak threshold (0.05)"),
-            Line2D([], [], color="0.35", linestyle=":", label=f"untrained model ({utility_text(_Ref(metric, utility[0].before))})"),
+            Line2D(
+                [],
+                [],
+                color="0.35",
+                linestyle=":",
+                label=f"untrained model ({utility_text(_Ref(metric, utility[0].before))})",
+            ),
         ]
         undefended = next((u for u in utility if u.defence == "none"), None)
         if undefended is not None:
-            handles.append(Line2D([], [], color="0.55", linestyle="--", label=f"undefended ({utility_text(undefended)})"))
+            handles.append(
+                Line2D([], [], color="0.55", linestyle="--", label=f"undefended ({utility_text(undefended)})")
+            )
         if utility[0].chance is not None:
-            handles.append(Line2D([], [], color="#8c564b", linestyle="-.", label=f"chance accuracy ({utility[0].chance:.2f})"))
-        axes[row][1].legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False,
-                            title="red edge: leaks", title_fontsize=8)
+            handles.append(
+                Line2D([], [], color="#8c564b", linestyle="-.", label=f"chance accuracy ({utility[0].chance:.2f})")
+            )
+        axes[row][1].legend(
+            handles=handles,
+            fontsize=8,
+            loc="center left",
+            bbox_to_anchor=(1.02, 0.5),
+            frameon=False,
+            title="red edge: leaks",
+            title_fontsize=8,
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -251,8 +322,9 @@ body{font-family:system-ui,sans-serif;margin:2em;max-width:1250px;color:#222}
 table{border-collapse:collapse;margin-bottom:1.5em}td,th{border:1px solid #ccc;padding:3px 7px;vertical-align:top}
 th{background:#f3f3f3;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
 .hit{background:#b7e4b0}.moved{background:#ffd59e}.miss{color:#999}.more{color:#777;font-style:italic}
-.ref{color:#333}.empty{color:#aaa;font-style:italic}.leak{color:#b00020;font-weight:600}.holds{color:#176d2c;font-weight:600}
-.suspect{color:#a15c00;font-weight:600}.how{background:#f7f7fb;border-left:4px solid #6b6bd6;padding:.6em 1em;max-width:900px}.na{color:#aaa}
+.ref{color:#333}.empty{color:#aaa;font-style:italic}.na{color:#aaa}
+.leak{color:#b00020;font-weight:600}.holds{color:#176d2c;font-weight:600}.suspect{color:#a15c00;font-weight:600}
+.how{background:#f7f7fb;border-left:4px solid #6b6bd6;padding:.6em 1em;max-width:900px}
 """
 
 
@@ -277,33 +349,45 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
     meta = report.meta
     config = meta.get("config", {})
     data = meta.get("data", {})
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>AEGIS audit</title><style>{_CSS}</style>"
-             "</head><body><h1>AEGIS audit</h1>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>AEGIS audit</title><style>{_CSS}</style>"
+        "</head><body><h1>AEGIS audit</h1>"
+    ]
     parts.append(
         "<div class='how'><b>How to read this.</b> Each defence trained the models federatedly; the server kept "
-        f"every gradient a client shared and attacked {_scope(config)} gradients. A defence <span class='holds'>holds</span> "
-        f"when every attack stays within {MARGIN} of its <i>null baseline</i> (what the attack scores on a gradient "
+        f"every gradient a client shared and attacked {_scope(config)} gradients. A defence "
+        f"<span class='holds'>holds</span> when every attack stays within {MARGIN} of its <i>null baseline</i> "
+        "(what the attack scores on a gradient "
         "that holds nothing of the batch: a Gaussian gradient of matched norms for the reconstruction attacks, "
         "chance for the label and 1-of-N attacks); otherwise it <span class='leak'>leaks</span>, and the verdict names "
         "the attack. The 1-of-N attacks rest on few trials: above the bar they leak only when the truth's ranks are "
         "unlikely by chance (rank-sum p &lt; 0.01, over the scoring variants); otherwise they are "
-        "<span class='suspect'>suspect</span> (rerun with more trials). Reconstruction attacks count on their worst axis: ROUGE-1 (word order) or token recall (the bag of "
-        "words). Utility is the global model after the last round beside the undefended run and the untrained model "
+        "<span class='suspect'>suspect</span> (rerun with more trials). Reconstruction attacks count on their "
+        "worst axis: ROUGE-1 (word order) or token recall (the bag of words). Utility is the global model after "
+        "the last round beside the undefended run and the untrained model "
         "(and chance accuracy for the classifier). <code>aegis-*-batch</code> is the paper's batch calibration, kept "
         "to reproduce the paper: its noise level fingerprints the batch. <i>K</i> is how many exports of one batch "
         "an attack read: the federated rounds export each batch once; the secret-completion attack reads K = the "
-        "configuration's exposure budget jointly and then checks that the shield refuses export K + 1.</div>")
-    parts.append(f"<p>Data: {_e(data.get('source', ''))}; validation: {_e(data.get('validation', ''))}. "
-                 f"{config.get('clients')} clients, {config.get('rounds')} rounds, batch {config.get('batch_size')}, "
-                 f"seed {config.get('seed')}. {'' if report.complete else '<b>Incomplete run</b>: the rows below finished. '}"
-                 f"{meta.get('seconds', 0):.0f} s.</p>")
-    parts.append("<h2>Verdicts and utility</h2><table><tr><th>model</th><th>defence</th><th>verdict</th>"
-                 "<th>utility</th><th>undefended</th><th>untrained</th><th>chance</th><th>DP ε</th></tr>")
+        "configuration's exposure budget jointly and then checks that the shield refuses export K + 1.</div>"
+    )
+    parts.append(
+        f"<p>Data: {_e(data.get('source', ''))}; validation: {_e(data.get('validation', ''))}. "
+        f"{config.get('clients')} clients, {config.get('rounds')} rounds, batch {config.get('batch_size')}, "
+        f"seed {config.get('seed')}. {'' if report.complete else '<b>Incomplete run</b>: the rows below finished. '}"
+        f"{meta.get('seconds', 0):.0f} s.</p>"
+    )
+    parts.append(
+        "<h2>Verdicts and utility</h2><table><tr><th>model</th><th>defence</th><th>verdict</th>"
+        "<th>utility</th><th>undefended</th><th>untrained</th><th>chance</th><th>DP ε</th></tr>"
+    )
     for v in report.verdicts:
         u = report.utility_of(v.model, v.defence)
         none = report.utility_of(v.model, "none")
-        verdict = (f"<span class='holds'>holds</span> ({_e(v.scope())})" if v.holds
-                   else "<span class='leak'>leaks</span>: " + _e("; ".join(v.leaking)))
+        verdict = (
+            f"<span class='holds'>holds</span> ({_e(v.scope())})"
+            if v.holds
+            else "<span class='leak'>leaks</span>: " + _e("; ".join(v.leaking))
+        )
         if v.holds and v.suspect:
             verdict += "; <span class='suspect'>suspect</span>: " + _e("; ".join(v.suspect))
         if v.calibration == "batch":
@@ -312,18 +396,25 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
         parts.append(
             f"<tr><td>{_e(v.model)}</td><td>{_e(v.defence)}</td><td>{verdict}</td><td>{_e(utility_text(u))}</td>"
             f"<td>{_e(utility_text(none))}</td><td>{_e(utility_text(_Ref(u.metric, u.before)) if u else '–')}</td>"
-            f"<td>{'–' if u is None or u.chance is None else f'{u.chance:.2f}'}</td><td>{eps}</td></tr>")
+            f"<td>{'–' if u is None or u.chance is None else f'{u.chance:.2f}'}</td><td>{eps}</td></tr>"
+        )
     parts.append("</table>")
     if plot_name:
         parts.append(f"<img src='{_e(plot_name)}' alt='privacy/utility plot' style='max-width:100%'>")
-    parts.append("<h2>Null baselines</h2><table><tr><th>model</th><th>attack</th><th>null score</th>"
-                 "<th>null token recall</th><th>how</th></tr>")
+    parts.append(
+        "<h2>Null baselines</h2><table><tr><th>model</th><th>attack</th><th>null score</th>"
+        "<th>null token recall</th><th>how</th></tr>"
+    )
     for n in report.nulls:
-        parts.append(f"<tr><td>{_e(n.model)}</td><td>{_e(n.attack)}</td>{_num(n.score)}{_num(n.token_recall)}"
-                     f"<td>{_e(n.how)}</td></tr>")
-    parts.append("</table><h2>Scores</h2><table><tr><th>model</th><th>defence</th><th>attack</th><th>score</th>"
-                 "<th>null</th><th>ROUGE-1</th><th>ROUGE-2</th><th>ROUGE-L</th><th>token recall</th><th>exact</th>"
-                 "<th>N</th><th>gradients</th><th>notes</th></tr>")
+        parts.append(
+            f"<tr><td>{_e(n.model)}</td><td>{_e(n.attack)}</td>{_num(n.score)}{_num(n.token_recall)}"
+            f"<td>{_e(n.how)}</td></tr>"
+        )
+    parts.append(
+        "</table><h2>Scores</h2><table><tr><th>model</th><th>defence</th><th>attack</th><th>score</th>"
+        "<th>null</th><th>ROUGE-1</th><th>ROUGE-2</th><th>ROUGE-L</th><th>token recall</th><th>exact</th>"
+        "<th>N</th><th>gradients</th><th>notes</th></tr>"
+    )
     for r in report.results:
         score = f"<span class='{'leak' if r.leaks else 'suspect' if r.suspect else 'holds'}'>{r.score:.3f}</span>"
         notes = r.note
@@ -335,20 +426,27 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
             f"<tr><td>{_e(r.model)}</td><td>{_e(r.defence)}</td><td>{_e(r.attack)} ({_e(_metric_name(r))})</td>"
             f"<td class='n'>{score}</td>{_num(r.null)}{_num(r.rouge1)}{_num(r.rouge2)}{_num(r.rougeL)}"
             f"{_num(r.token_recall)}{_num(r.exact_rate)}<td class='n'>{r.candidates or '–'}</td>"
-            f"<td class='n'>{r.gradients}</td><td>{_e(notes)}</td></tr>")
-    parts.append("</table><h2>Reconstructions</h2><p><span class='hit'>green</span>: right token, right place; "
-                 "<span class='moved'>orange</span>: right token, wrong place; grey: wrong token. Long "
-                 f"reconstructions are cut at {MAX_CELL_TOKENS} tokens, with the count of the rest.</p>"
-                 "<table><tr><th>model / defence / attack</th><th>private sentence</th><th>reconstruction</th></tr>")
+            f"<td class='n'>{r.gradients}</td><td>{_e(notes)}</td></tr>"
+        )
+    parts.append(
+        "</table><h2>Reconstructions</h2><p><span class='hit'>green</span>: right token, right place; "
+        "<span class='moved'>orange</span>: right token, wrong place; grey: wrong token. Long "
+        f"reconstructions are cut at {MAX_CELL_TOKENS} tokens, with the count of the rest.</p>"
+        "<table><tr><th>model / defence / attack</th><th>private sentence</th><th>reconstruction</th></tr>"
+    )
     for rec in report.reconstructions:
         shown = rec.prediction_tokens[:MAX_CELL_TOKENS]
         more = rec.prediction_more + max(0, len(rec.prediction_tokens) - MAX_CELL_TOKENS)
-        marked = " ".join(f"<span class='{cls}'>{_e(tok)}</span>" for tok, cls in token_marks(rec.reference_tokens, shown))
+        marked = " ".join(
+            f"<span class='{cls}'>{_e(tok)}</span>" for tok, cls in token_marks(rec.reference_tokens, shown)
+        )
         if more:
             marked += f" <span class='more'>… (+{more:,} more tokens)</span>"
         parts.append(
-            f"<tr><td>{_e(rec.model)} / {_e(rec.defence)} / {_e(rec.attack)}</td><td class='ref'>{_e(rec.reference)}</td>"
-            f"<td>{marked or '<span class=empty>(nothing recovered)</span>'}</td></tr>")
+            f"<tr><td>{_e(rec.model)} / {_e(rec.defence)} / {_e(rec.attack)}</td>"
+            f"<td class='ref'>{_e(rec.reference)}</td>"
+            f"<td>{marked or '<span class=empty>(nothing recovered)</span>'}</td></tr>"
+        )
     parts.append("</table></body></html>")
     path.write_text("\n".join(parts))
 

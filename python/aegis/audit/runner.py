@@ -9,14 +9,15 @@ global model, and utility is the global model's validation perplexity (decoder) 
 macro-F1 (encoder) after the last round. After each defence the report so far goes to ``sink`` (the CLI
 writes it to disk), so a late failure loses nothing that finished.
 """
+
 from __future__ import annotations
 
 import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -26,7 +27,14 @@ from . import attacks as audit_attacks
 from .attacks import COST, ModelContext, Target, server_copy
 from .dataset import AuditData, load
 from .options import (  # noqa: F401 (re-exported names)
-    ATTACKS, DEFAULT_ATTACKS, DEFENCES, MODELS, QUICK_DEFENCES, AuditConfig, DefenceSpec, resolve_defence,
+    ATTACKS,
+    DEFAULT_ATTACKS,
+    DEFENCES,
+    MODELS,
+    QUICK_DEFENCES,
+    AuditConfig,
+    DefenceSpec,
+    resolve_defence,
 )
 from .records import AuditReport, NullBaseline, RoundsRecord, UtilityRecord, verdicts
 
@@ -64,8 +72,9 @@ def batch_builder(kind: str, tokenizer, label_ids: dict[str, int]) -> Callable[[
     """The one batch builder: client batches, evaluation, null baselines and fingerprint candidates."""
 
     def build(examples: Sequence[Example]) -> dict[str, torch.Tensor]:
-        enc = tokenizer([e.text for e in examples], padding=True, truncation=True, max_length=MAX_LENGTH,
-                        return_tensors="pt")
+        enc = tokenizer(
+            [e.text for e in examples], padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt"
+        )
         batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
         if kind == "decoder":
             batch["labels"] = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
@@ -84,12 +93,12 @@ def client_examples(data: AuditData, config: AuditConfig) -> list[list[list[Exam
     for r in range(config.rounds):
         for c in range(config.clients):
             start = (r * config.clients + c) * config.batch_size
-            out[c].append(pool[start:start + config.batch_size])
+            out[c].append(pool[start : start + config.batch_size])
     return out
 
 
 def evaluator(ctx: ModelContext, validation: list[Example]):
-    examples = validation[:ctx.config.max_eval]
+    examples = validation[: ctx.config.max_eval]
     batch = ctx.build(examples)
     counts = Counter(e.label for e in examples)
     chance = max(counts.values()) / len(examples) if ctx.kind == "encoder" else None
@@ -108,8 +117,11 @@ def evaluator(ctx: ModelContext, validation: list[Example]):
         from sklearn.metrics import f1_score
 
         pred = out.logits.argmax(-1)
-        return {"val_loss": loss, "accuracy": float((pred == batch["labels"]).float().mean()),
-                "f1": float(f1_score(batch["labels"], pred, average="macro", zero_division=0))}
+        return {
+            "val_loss": loss,
+            "accuracy": float((pred == batch["labels"]).float().mean()),
+            "f1": float(f1_score(batch["labels"], pred, average="macro", zero_division=0)),
+        }
 
     return evaluate, chance
 
@@ -127,8 +139,16 @@ class Federation:
     rounds: RoundsRecord
 
 
-def federate(ctx: ModelContext, defence: DefenceSpec, batches: list[list[dict]], examples, evaluate, before: dict,
-             chance: float | None, on_round: Callable[[int], None]) -> Federation:
+def federate(
+    ctx: ModelContext,
+    defence: DefenceSpec,
+    batches: list[list[dict]],
+    examples,
+    evaluate,
+    before: dict,
+    chance: float | None,
+    on_round: Callable[[int], None],
+) -> Federation:
     from ..fl import run_rounds
 
     config = ctx.config
@@ -145,21 +165,47 @@ def federate(ctx: ModelContext, defence: DefenceSpec, batches: list[list[dict]],
         return dict(before) if r == 0 else evaluate(global_model)  # round 0: the shared initial model
 
     lr = config.decoder_lr if ctx.kind == "decoder" else config.encoder_lr
-    run = run_rounds(ctx.model, batches, rounds=config.rounds, defence=defence.run_as, optimizer=config.optimizer,
-                     lr=lr, eval_fn=evaluate_and_keep, on_round=on_round)
+    run = run_rounds(
+        ctx.model,
+        batches,
+        rounds=config.rounds,
+        defence=defence.run_as,
+        optimizer=config.optimizer,
+        lr=lr,
+        eval_fn=evaluate_and_keep,
+        on_round=on_round,
+    )
     models = [server_copy(ctx.model, states[r]) if r else server_copy(ctx.model) for r in range(attack_rounds)]
     targets = []
     for shared in run.captured[:attack_rounds]:
         for sg in shared:
-            targets.append(Target(sg.server_round, sg.client, sg.grads, sg.batch,
-                                  examples[sg.client][sg.server_round - 1], ctx.references(sg.batch)))
+            targets.append(
+                Target(
+                    sg.server_round,
+                    sg.client,
+                    sg.grads,
+                    sg.batch,
+                    examples[sg.client][sg.server_round - 1],
+                    ctx.references(sg.batch),
+                )
+            )
     final = run.utility[-1] if run.utility else {}
     metric = "perplexity" if ctx.kind == "decoder" else "accuracy"
     eps = [r["epsilon"] for r in run.reports if "epsilon" in r]
     delta = next((r["delta"] for r in run.reports if "delta" in r), None)
-    utility = UtilityRecord(ctx.kind, defence.name, config.rounds, metric, final.get(metric, float("nan")),
-                            final.get("val_loss", float("nan")), before[metric], final.get("f1"), chance,
-                            max(eps) if eps else None, delta)
+    utility = UtilityRecord(
+        ctx.kind,
+        defence.name,
+        config.rounds,
+        metric,
+        final.get(metric, float("nan")),
+        final.get("val_loss", float("nan")),
+        before[metric],
+        final.get("f1"),
+        chance,
+        max(eps) if eps else None,
+        delta,
+    )
     return Federation(targets, models, utility, RoundsRecord(ctx.kind, defence.name, run.rounds))
 
 
@@ -171,13 +217,27 @@ def _round_cost(config: AuditConfig, spec: DefenceSpec) -> float:
 
 
 def meta(config: AuditConfig, data: AuditData) -> dict:
-    return {"config": config.as_dict(), "data": {"source": data.source, "validation": data.split,
-                                                 "train": len(data.train), "validation_size": len(data.validation)},
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "seconds": 0.0}
+    return {
+        "config": config.as_dict(),
+        "data": {
+            "source": data.source,
+            "validation": data.split,
+            "train": len(data.train),
+            "validation_size": len(data.validation),
+        },
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "seconds": 0.0,
+    }
 
 
-def run_audit(config: AuditConfig, progress: Progress | None = None, *, data: AuditData | None = None,
-              sink: Callable[[AuditReport], None] | None = None) -> AuditReport:
+def run_audit(
+    config: AuditConfig,
+    progress: Progress | None = None,
+    *,
+    data: AuditData | None = None,
+    sink: Callable[[AuditReport], None] | None = None,
+) -> AuditReport:
     """Run everything and return the report; ``sink(report)`` after each defence (and at the end)."""
     progress = progress or Progress()
     sink = sink or (lambda report: None)
@@ -221,7 +281,8 @@ def run_audit(config: AuditConfig, progress: Progress | None = None, *, data: Au
         del first
 
         for spec in specs:
-            def on_round(r: int, spec=spec) -> None:
+
+            def on_round(r: int, spec=spec, kind=kind) -> None:
                 progress.advance(f"{kind} · {spec.name} · round {r}/{config.rounds}", _round_cost(config, spec))
 
             fed = federate(ctx, spec, batches, examples, evaluate, before, chance, on_round)
@@ -230,7 +291,10 @@ def run_audit(config: AuditConfig, progress: Progress | None = None, *, data: Au
             for attack in attacks:
                 if not attack.applies(kind, spec):
                     continue
-                tick = lambda cost, name=attack.name, spec=spec: progress.advance(f"{kind} · {spec.name} · {name}", cost)  # noqa: E731
+
+                def tick(cost: float, name=attack.name, spec=spec, kind=kind) -> None:
+                    progress.advance(f"{kind} · {spec.name} · {name}", cost)
+
                 record, recon = attack.run(ctx, spec, fed.targets, fed.models, nulls[attack.name], tick)
                 report.results.append(record)
                 report.reconstructions += recon
