@@ -171,7 +171,7 @@ class Shield:
                 torch.ops.aegis.flood_(tensors, modes, params, self._step_key().to(tensors[0].device))
             elif self.config.device_seed:
                 torch.ops.aegis.flood_keyed_(tensors, modes, params, self._device_state(tensors[0].device))
-            elif index is None and self._graphable(tensors):
+            elif index is None and self._graphable(tensors) and self._graphed is not None:
                 self._graphed(tensors, modes, params, self._master_words(), self._step)
             else:
                 torch.ops.aegis.flood_(tensors, modes, params, self._step_key().to(tensors[0].device))
@@ -269,7 +269,7 @@ class Shield:
             if ref_ is None:
                 if grad is not None:
                     return False
-            elif grad is None or ref_() is not grad or grad._version != version:
+            elif grad is None or ref_() is not grad or grad._version != version:  # type: ignore[union-attr]
                 return False
         return True
 
@@ -287,8 +287,9 @@ class Shield:
                 "export() refused: the gradients are not masked (call shield.mask_() after backward(), "
                 "or export before optimizer.zero_grad())"
             )
-        present = [p.param.grad for p in self._flooded if p.param.grad is not None]
-        if self._checksum is not None and not torch.equal(_checksum(present), self._checksum):
+        present = [g for g in (p.param.grad for p in self._flooded) if g is not None]
+        current = _checksum(present)
+        if self._checksum is not None and (current is None or not torch.equal(current, self._checksum)):
             raise RuntimeError(
                 "export() refused: a gradient changed after mask_() without a version bump (a write through "
                 ".data?); call backward() and mask_() again"
@@ -323,9 +324,8 @@ class Shield:
                     snr=snr.get(p.name),
                 )
             )
-        tracked = self._exposure is not None
-        return CoverageReport(rows, self.config.calibration, self.config.exposures, self.config.exposure,
-                              self._exposure.max_exposure if tracked else 0)
+        seen = self._exposure.max_exposure if self._exposure is not None else 0
+        return CoverageReport(rows, self.config.calibration, self.config.exposures, self.config.exposure, seen)
 
     def trainer_callback(self):
         """A ``transformers.TrainerCallback`` that masks right before each optimizer step."""
