@@ -73,8 +73,12 @@ def build(setting: Setting, device: torch.device):
     with device:
         model = T.AutoModelForCausalLM.from_config(config, torch_dtype=setting.weights)
     model.config.use_cache = False
-    ids = torch.randint(0, config.vocab_size, (setting.batch, setting.seq), device=device)
-    return model.train(), {"input_ids": ids, "labels": ids}
+
+    def batch() -> dict[str, torch.Tensor]:  # fresh data every step, as in training (and the exposure budget)
+        ids = torch.randint(0, config.vocab_size, (setting.batch, setting.seq), device=device)
+        return {"input_ids": ids, "labels": ids}
+
+    return model.train(), batch
 
 
 def sync(device: torch.device) -> None:
@@ -84,7 +88,7 @@ def sync(device: torch.device) -> None:
 
 def prepare(setting: Setting, defence_name: str, device: torch.device):
     """(step, defence): one full training step of a fresh model under the named defence."""
-    model, batch = build(setting, device)
+    model, draw = build(setting, device)
     base, *flags = defence_name.split("+")
     if set(flags) - {KEEP_GRADS, FLOOD_GRAPH}:
         raise ValueError(f"{defence_name}: unknown variant; use +{KEEP_GRADS} and/or +{FLOOD_GRAPH}")
@@ -103,7 +107,7 @@ def prepare(setting: Setting, defence_name: str, device: torch.device):
 
     def step():
         optimizer.zero_grad(set_to_none=KEEP_GRADS not in flags)
-        loss = defence.backward(batch, lambda m, b: scaler.scale(loss_fn(m, b)))
+        loss = defence.backward(draw(), lambda m, b: scaler.scale(loss_fn(m, b)))
         scaler.unscale_(optimizer)
         defence.defend_()
         scaler.step(optimizer)
@@ -172,8 +176,11 @@ def run_graphed(setting: Setting, aegis_on: bool, device: torch.device, warmup: 
     """
     import aegis
 
-    model, batch = build(setting, device)
-    shield = aegis.protect(model, config=aegis.AegisConfig(device_seed=True)) if aegis_on else None
+    model, draw = build(setting, device)
+    batch = draw()  # a replayed graph reads one static batch (training copies new data into it)
+    # replays run no Python hook, so the shield cannot count exposures: the step is the caller's
+    config = aegis.AegisConfig(device_seed=True, exposure=aegis.ExposurePolicy.OFF)
+    shield = aegis.protect(model, config=config) if aegis_on else None
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, capturable=True)
 
     def body():

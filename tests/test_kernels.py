@@ -881,8 +881,9 @@ def test_gpu_shield_mask_is_graph_capturable():
     from aegis.config import AegisConfig
 
     model, ids = _tiny_gpt2_on_gpu()
+    config = dict(seed=12345, device_seed=True, exposure=aegis.ExposurePolicy.OFF)  # a replay runs no hook
     with pytest.warns(UserWarning, match="FIXED"):
-        shield = aegis.protect(model, config=AegisConfig(seed=12345, device_seed=True))
+        shield = aegis.protect(model, config=AegisConfig(**config))
     model(input_ids=ids, labels=ids).loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]
     clean = [p.grad.clone() for p in params]
@@ -910,6 +911,23 @@ def test_gpu_shield_mask_is_graph_capturable():
         state[8] = step
         shield.mask_()  # eager, same state
         assert all(torch.equal(p.grad, r) for p, r in zip(params, got))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_capture_with_exposure_counting_is_refused():
+    import aegis
+
+    model, ids = _tiny_gpt2_on_gpu()
+    shield = aegis.protect(model, config=aegis.AegisConfig(device_seed=True))
+    model(input_ids=ids, labels=ids).loss.backward()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="ExposurePolicy.OFF"):
+        with torch.cuda.graph(graph):
+            shield.mask_()
+    assert not shield.is_masked
 
 
 @pytest.mark.gpu

@@ -56,7 +56,8 @@ class ExposureTracker:
         self._fresh = fresh  # True while no flooded gradient exists: a forward then starts a new step
         self._salt = secrets.token_bytes(16)
         self._counts: Counter[bytes] = Counter()
-        self._pending: set[bytes] = set()
+        self._pending: list[Tensor] = []  # token ids of this step's forwards, hashed at mask_() time
+        self._step_digests: set[bytes] | None = None
         self._paused = 0
         self._handle = embeddings.register_forward_pre_hook(self._record)
 
@@ -67,9 +68,14 @@ class ExposureTracker:
         if ids.dtype not in (torch.int64, torch.int32):
             return
         if self._fresh():
-            self._pending = set()  # forwards whose gradients were dropped (set_to_none) never left
-        for row in ids.reshape(-1, ids.shape[-1]).cpu():
-            self._pending.add(self._digest(row))
+            # forwards whose gradients were dropped (set_to_none) never left the client
+            self._pending, self._step_digests = [], None
+        # kept on the device: a copy to the host here would stall the stream at every forward
+        self._pending.append(ids.detach().reshape(-1, ids.shape[-1]).clone())
+        self._step_digests = None
+
+    def _pending_digests(self) -> set[bytes]:
+        return {self._digest(row) for ids in self._pending for row in ids.cpu()}
 
     def _digest(self, row: Tensor) -> bytes:
         if self.pad is not None:
@@ -83,16 +89,17 @@ class ExposureTracker:
 
     def over_budget(self) -> int:
         """How many examples of the pending step would exceed the budget if it were exported."""
-        return sum(self._counts[d] >= self.budget for d in self._pending)
+        self._step_digests = self._pending_digests()
+        return sum(self._counts[d] >= self.budget for d in self._step_digests)
 
     def commit(self, carried_signal: bool) -> None:
         """The pending step was masked: count its examples if the export carries their signal."""
         if carried_signal:
-            self._counts.update(self._pending)
-        self._pending = set()
+            self._counts.update(self._step_digests if self._step_digests is not None else self._pending_digests())
+        self._pending, self._step_digests = [], None
 
     def discard(self) -> None:
-        self._pending = set()
+        self._pending, self._step_digests = [], None
 
     @property
     def max_exposure(self) -> int:

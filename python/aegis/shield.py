@@ -159,6 +159,12 @@ class Shield:
                 "mask_() called twice on the same gradients: they are already masked (a second flood "
                 "would add noise twice). Call backward() again first, or use ensure_masked()"
             )
+        if self._exposure is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "mask_() inside a CUDA-graph capture cannot count exposures (a replay runs no Python hook and "
+                "the token ids stay on the device): pass AegisConfig(exposure=ExposurePolicy.OFF) and keep "
+                "each example within the preset's exposure budget yourself"
+            )
         grads = [p.param.grad for p in self._flooded]
         tensors, modes, index = self._present(grads)
         silenced = False
