@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ class ReportRow:
     # of the tensor (matrix flood) over the per-entry noise, i.e. the matched-filter SNR an attacker who
     # knows the candidate's gradient gets from one export (None before the first calibration, or BATCH)
     snr: float | None = None
+    snr_cap: float | None = None  # Treatment.snr of a flood (None: uncapped, or not flooded)
 
 
 @dataclass(frozen=True)
@@ -328,6 +330,7 @@ class Shield:
                     shape=tuple(p.param.shape),
                     numel=p.param.numel(),
                     snr=snr.get(p.name),
+                    snr_cap=p.treatment.snr if flooded and math.isfinite(p.treatment.snr) else None,
                 )
             )
         seen = self._exposure.max_exposure if self._exposure is not None else 0
