@@ -101,8 +101,8 @@ def run(lams, exposures, batches: int, batch_size: int, seed: int, n_layer: int)
         for name, p in point.items():
             for k in keys:
                 by_k[name][k].append(p[k])
-            print(f"K={k_exp:<3} (lam {lam}, rho {rho}) {name:<9} ROUGE-1 {p['rouge1']:.3f}  null {p['null_rouge1']:.3f}",
-                  flush=True)
+            print(f"K={k_exp:<3} (lam {lam}, rho {rho}) {name:<9} ROUGE-1 {p['rouge1']:.3f}  "
+                  f"null {p['null_rouge1']:.3f}", flush=True)
     presets = {}
     for preset in ("paper", "utility"):
         presets[preset] = _point(model, tok, aegis.AegisConfig(preset=preset), texts, batch_size, seed)

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from fast_noise import fast_noise  # noqa: F401 (fixture)
 
 import aegis
 from aegis.attacks import shared_gradient, spectral
@@ -14,6 +13,7 @@ from aegis.attacks.spectral import build_probe, gd_shrink, mlp_weights
 from aegis.data import load_corpus
 from aegis.metrics import null_baseline, rouge
 from aegis.models import default_decoder
+from fast_noise import fast_noise  # noqa: F401 (fixture)
 
 EXAMPLES = load_corpus("validation")
 SHORT = [EXAMPLES[35].text]  # "Patient is allergic to codeine."
