@@ -24,6 +24,12 @@ from aegis.cli import app
 runner = CliRunner()
 
 
+def _small_audit(out) -> list[str]:
+    """One client, one round, one baseline and one attack: the smallest audit that writes a report."""
+    return ["audit", "--quick", "--out", str(out), "--defences", "none,prune-90", "--attacks", "embedding_norm",
+            "--rounds", "1", "--clients", "1", "--threads", "1"]
+
+
 @pytest.fixture
 def no_model_loads(monkeypatch):
     import aegis.audit.runner as runner_module
@@ -259,22 +265,7 @@ def test_nothing_is_lost_when_out_fails_late(tmp_path, monkeypatch):
     monkeypatch.setattr(runner_module, "federate", federate)
     result = runner.invoke(
         app,
-        [
-            "audit",
-            "--quick",
-            "--out",
-            str(out),
-            "--defences",
-            "none,prune-90",
-            "--attacks",
-            "embedding_norm",
-            "--rounds",
-            "1",
-            "--clients",
-            "1",
-            "--threads",
-            "1",
-        ],
+        _small_audit(out),
     )
     assert result.exit_code == 1, result.output
     line = _error(result)
@@ -300,22 +291,7 @@ def test_a_crash_mid_run_keeps_the_finished_defences(tmp_path, monkeypatch):
     out = tmp_path / "out"
     result = runner.invoke(
         app,
-        [
-            "audit",
-            "--quick",
-            "--out",
-            str(out),
-            "--defences",
-            "none,prune-90",
-            "--attacks",
-            "embedding_norm",
-            "--rounds",
-            "1",
-            "--clients",
-            "1",
-            "--threads",
-            "1",
-        ],
+        _small_audit(out),
     )
     assert result.exit_code == 1
     line = _error(result)
