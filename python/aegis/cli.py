@@ -154,6 +154,8 @@ def inspect(
             treatment = row.action.replace(" flood", "")
             if row.lam is not None and row.action.endswith("flood"):
                 treatment += f" λ{row.lam:g} ρ{row.rho:g}"
+                if row.snr_cap is not None:
+                    treatment += f" snr≤{row.snr_cap:g}"
             table.add_row(row.name, row.role, treatment, "×".join(map(str, row.shape)), style=style)
         console.print(table)
     total = sum(r.numel for r in report.rows)
@@ -169,6 +171,10 @@ def inspect(
         )
     else:
         console.print("calibration: public (noise levels from a public batch; private gradients clipped)")
+    if report.exposure is aegis.ExposurePolicy.OFF:
+        console.print("[bold red]exposure: not counted[/bold red] (the guarantee covers one export)")
+    else:
+        console.print(f"exposure budget: {report.exposure_budget} export(s) per example, then {report.exposure.value}")
     for warning in caught:
         console.print(f"[yellow]warning:[/yellow] {warning.message}")
 
