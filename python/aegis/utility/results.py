@@ -1,0 +1,105 @@
+"""The result file: the bar every defence is held to, merging runs of several invocations (``--append``),
+and atomic writes.
+
+The bar (issue 16): final validation perplexity <= 1.05x undefended (decoder), accuracy >= 0.98x
+undefended (encoder), and every attack <= max(0.05, null + 0.05) at every attacked round."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+PPL_BAR = 1.05
+ACC_BAR = 0.98
+# settings that must agree for runs of two invocations to share one curve plot
+SAME = ("clients", "rounds", "batch_size", "local_steps", "optimizer", "lr", "warmup", "min_lr_share",
+        "dirichlet_alpha", "seed", "max_eval")
+
+
+def _value(run: dict) -> float:
+    value = run["final"].get(run["metric"])
+    return float("nan") if value is None else float(value)
+
+
+def summarise(result: dict) -> list[dict]:
+    """Per model x algorithm x defence: final utility against undefended and untrained, the worst attack
+    (its excess over max(FLOOR, null)), and whether the run meets the utility bar, the privacy bar, both."""
+    untrained = {r["model"]: r["untrained"][r["metric"]] for r in result.get("references", [])}
+    rows = []
+    for run in result.get("runs", []):
+        here = (run["model"], run["algorithm"], "none")
+        none = next((r for r in result["runs"] if (r["model"], r["algorithm"], r["defence"]) == here), None)
+        value, ref = _value(run), _value(none) if none else float("nan")
+        if run["metric"] == "perplexity":
+            ratio = value / ref if ref > 0 else float("nan")
+            meets_utility = ratio <= PPL_BAR
+        else:
+            ratio = value / ref if ref > 0 else float("nan")
+            meets_utility = ratio >= ACC_BAR
+        scored = [a for a in run["attacks"] if "skipped" not in a]
+        worst = max(scored, key=lambda a: a["excess"], default=None)
+        rows.append(
+            {
+                "model": run["model"],
+                "algorithm": run["algorithm"],
+                "defence": run["defence"],
+                "metric": run["metric"],
+                "final": value,
+                "undefended": ref,
+                "untrained": untrained.get(run["model"]),
+                "ratio": ratio,
+                "meets_utility": bool(meets_utility) if math.isfinite(ratio) else False,
+                "worst_attack": None if worst is None else f"{worst['attack']} round {worst['round']}",
+                "worst_excess": None if worst is None else worst["excess"],
+                "worst_score": None if worst is None else worst["privacy"],
+                "attacks_scored": len(scored),
+                "meets_privacy": bool(scored) and not any(a["above_bar"] for a in scored),
+                "silenced_export_share": run["silenced_export_share"],
+                "epsilon": run["epsilon"],
+            }
+        )
+        rows[-1]["meets_both"] = rows[-1]["meets_utility"] and rows[-1]["meets_privacy"]
+    return rows
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write(result: dict, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(_clean(result), indent=1))
+    os.replace(tmp, path)
+
+
+def merge(old: dict, new: dict) -> dict:
+    """``new``'s runs replace ``old``'s of the same model x algorithm x defence; the rest are kept. Runs of
+    different settings do not mix (one curve plot, one bar)."""
+    differ = [k for k in SAME if old["settings"].get(k) != new["settings"].get(k)]
+    if differ:
+        raise ValueError(
+            f"--append: the existing result was run with other settings ({', '.join(differ)}): use the same "
+            "settings or another --out folder"
+        )
+    key = lambda r: (r["model"], r["algorithm"], r["defence"])  # noqa: E731
+    fresh = {key(r) for r in new["runs"]}
+    models = {r["model"] for r in new["references"]}
+    out = dict(new)
+    out["runs"] = [r for r in old["runs"] if key(r) not in fresh] + new["runs"]
+    out["references"] = [r for r in old["references"] if r["model"] not in models] + new["references"]
+    out["nulls"] = [r for r in old["nulls"] if r["model"] not in models] + new["nulls"]
+    out["machines"] = old.get("machines", [old.get("machine")]) + [new["machine"]]
+    out["wall_seconds"] = round(float(old.get("wall_seconds", 0)) + float(new.get("wall_seconds", 0)), 1)
+    out["settings"] = {**new["settings"], "defences": sorted({r["defence"] for r in out["runs"]}),
+                       "models": sorted({r["model"] for r in out["runs"]}),
+                       "algorithms": sorted({r["algorithm"] for r in out["runs"]})}
+    out["summary"] = summarise(out)
+    return out
