@@ -360,6 +360,7 @@ ABBREVIATIONS = {
     "labels": "label",
     "fingerprint_pool": "fp-pool",
     "fingerprint_secret": "fp-pin",
+    "loss_oracle": "oracle",
 }
 
 
@@ -408,7 +409,7 @@ def results_tables(report) -> list:
             for a in attacks:
                 r = next((r for r in report.results if (r.model, r.defence, r.attack) == (model, v.defence, a)), None)
                 colour = "red" if r is not None and r.leaks else "yellow" if r is not None and r.suspect else "green"
-                cells.append("–" if r is None else f"[{colour}]{r.privacy:.2f}[/]")
+                cells.append("–" if r is None or not r.applicable else f"[{colour}]{r.privacy:.2f}[/]")
             s.add_row(v.defence, *cells)
         tables.append(s)
         tables.append(LEGEND)
@@ -417,9 +418,10 @@ def results_tables(report) -> list:
 
 LEGEND = (
     "text attacks (dager, emb, mlp, spec, tag): the worst of ROUGE-1 and token recall; label, fp-pool, "
-    "fp-pin (fingerprint 1-of-N): accuracy; red: leaks (more than 0.05 above the null row; 1-of-N: and "
-    "the truth's ranks unlikely by chance, p < 0.01); yellow: suspect (above the bar on too few trials); "
-    "–: not applicable (the flood-level attacks read AEGIS floods only; labels: the encoder's head)\n"
+    "fp-pin (fingerprint 1-of-N), oracle (1-of-N from a reported loss): accuracy; red: leaks (more than "
+    "0.05 above the null; 1-of-N and label: and unlikely by chance, p < 0.01); yellow: suspect (above the "
+    "bar on too few trials); –: not applicable (the flood-level attacks read AEGIS floods only; labels: the "
+    "encoder's head; oracle: no reply carried a loss)\n"
 )
 
 

@@ -9,7 +9,10 @@ completion, what the defence exports for a secret sentence) and returns one :cla
 * ``fingerprint_pool`` (``aegis.attacks.fingerprint``): which of N candidate batches (every client's
   true batch of the round and decoys from the data) each captured gradient came from; null = 1/N;
 * ``fingerprint_secret``: "my pin is ____" against N same-format values, each trial one defended step
-  of a B = 1 secret sentence; null = 1/N.
+  of a B = 1 secret sentence; null = 1/N;
+* ``loss_oracle`` (``aegis.attacks.loss_oracle``): which of the ``fingerprint_pool`` candidates each reply
+  came from, by the distance of the candidate's loss to the loss the reply reported; null = 1/N. A reply
+  that carries no loss (AEGIS replies never do) leaves nothing to read: the row says so.
 
 The flood-level attacks rebuild AEGIS's calibration from its public configuration (Kerckhoffs), so
 they apply to the AEGIS rows only; a baseline has no flood level to read (its rows say n/a).
@@ -22,7 +25,7 @@ import copy
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +37,16 @@ from .records import AttackRecord, NullBaseline, Reconstruction, rank_sum_p
 MAX_TOKENS = 60  # prediction tokens kept per reconstruction (the rest is counted)
 # Rough cost of one unit of work in seconds on 2 quiet cores (the quick audit's decoder): progress
 # advances by these, so the ETA is about right from the start.
-COST = {"text": 1.5, "label": 0.3, "candidate": 0.12, "trial": 1.5, "null": 1.5, "round": 1.0, "masked": 1.2}
+COST = {
+    "text": 1.5,
+    "label": 0.3,
+    "candidate": 0.12,
+    "trial": 1.5,
+    "null": 1.5,
+    "round": 1.0,
+    "masked": 1.2,
+    "oracle": 0.01,
+}
 SECRET_TEMPLATE = "my pin is {}"
 
 
@@ -48,6 +60,7 @@ class Target:
     batch: dict[str, Tensor]  # the client's batch (never sent)
     examples: list[Example]
     references: list[str]  # the batch's sentences as the tokenizer sees them (decoded, truncated)
+    metrics: dict[str, float] = field(default_factory=dict)  # the reply's MetricRecord, as received
 
 
 @dataclass
@@ -471,4 +484,8 @@ class FingerprintSecret(_Fingerprint):
 def make(name: str) -> AuditAttack:
     if name in TEXT_ATTACKS:
         return TextAttack(name)
+    if name == "loss_oracle":
+        from .loss_attack import LossOracle
+
+        return LossOracle()
     return {"labels": LabelAttack, "fingerprint_pool": FingerprintPool, "fingerprint_secret": FingerprintSecret}[name]()

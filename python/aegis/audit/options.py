@@ -16,7 +16,7 @@ from ..config import AegisConfig, Calibration
 
 MODELS = ("decoder", "encoder")
 TEXT_ATTACKS = ("dager", "embedding_norm", "mlp_span", "spectral", "tag")
-ATTACKS = (*TEXT_ATTACKS, "labels", "fingerprint_pool", "fingerprint_secret")
+ATTACKS = (*TEXT_ATTACKS, "labels", "fingerprint_pool", "fingerprint_secret", "loss_oracle")
 DEFAULT_ATTACKS = (
     "dager",
     "embedding_norm",
@@ -25,6 +25,7 @@ DEFAULT_ATTACKS = (
     "labels",
     "fingerprint_pool",
     "fingerprint_secret",
+    "loss_oracle",
 )
 ENCODER_ONLY = ("labels",)  # the label attack reads a classification head
 DEFENCES = (

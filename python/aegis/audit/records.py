@@ -74,7 +74,10 @@ class AttackRecord:
     exposures: int = 1  # K: exports of one batch the attack read together; 1 = a single export
     refused_after: int | None = None  # the shield refused export K + 1 of the same batch (exposure budget)
     ranks: list[float] = field(default_factory=list)  # 1-of-N: the truth's rank per trial (best variant)
-    p_value: float | None = None  # 1-of-N: rank-sum p-value under chance, Bonferroni over the variants
+    p_value: float | None = None  # rank-sum (1-of-N) or permutation (labels) p-value, Bonferroni over the variants
+    # False when the attack had nothing to read (e.g. no reply carried a loss): the score is then the null by
+    # construction, not a measurement, and the row never counts as a leak
+    applicable: bool = True
 
     @property
     def privacy(self) -> float:
@@ -93,7 +96,7 @@ class AttackRecord:
 
     @property
     def above_bar(self) -> bool:
-        return self.excess > MARGIN
+        return self.applicable and self.excess > MARGIN
 
     @property
     def leaks(self) -> bool:
@@ -107,6 +110,8 @@ class AttackRecord:
 
     def headline(self) -> str:
         """'dager ROUGE-1 0.98 (null 0.12)' — the axis that leaks most."""
+        if not self.applicable:
+            return f"{self.attack}: nothing to read"
         at = f" at K = {self.exposures}" if self.exposures > 1 else ""
         if self.p_value is not None:
             at += f", p {self.p_value:.2g} over {self.gradients} trials"

@@ -187,6 +187,7 @@ def federate(
                     sg.batch,
                     examples[sg.client][sg.server_round - 1],
                     ctx.references(sg.batch),
+                    dict(sg.metrics),
                 )
             )
     final = run.utility[-1] if run.utility else {}
