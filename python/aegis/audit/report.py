@@ -68,6 +68,22 @@ class ReportWriter:
 
         return self._write(write)
 
+    def finish_utility(self, result: dict[str, Any]) -> list[Path]:
+        """A utility study (``aegis.utility``): report.json (its data under "utility"), learning_curves.png,
+        frontier.png and report.html."""
+        from ..utility import plots
+        from ..utility.page import utility_html
+        from ..utility.results import write as write_result
+
+        def write(folder: Path) -> list[Path]:
+            write_result({"utility": result}, folder / "report.json")
+            plots.learning_curves(result, folder / "learning_curves.png")
+            plots.frontier(result, folder / "frontier.png")
+            (folder / "report.html").write_text(utility_html(result, "learning_curves.png", "frontier.png"))
+            return [folder / name for name in ("report.json", "learning_curves.png", "frontier.png", "report.html")]
+
+        return self._write(write)
+
 
 # -- helpers -------------------------------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from . import privacy
 from .config import UtilityConfig
 from .evaluate import evaluator, metric_of
 from .federation import federate
-from .results import summarise
+from .results import statements, summarise
 from .split import dirichlet_split
 
 Sink = Callable[[dict], None]
@@ -94,37 +94,48 @@ def run_utility(
                     if r % max(1, config.rounds // 10) == 0:
                         say(f"{label} · round {r}/{config.rounds}")
 
-                log = federate(model, defence, shards, build, evaluate, algorithm, config, device, tick)
-                attacks = privacy.attack_run(ctx, defence, algorithm, log.captures, log.models, names, null_rows)
-                eps = [r["epsilon"] for r in log.reports if "epsilon" in r]
-                delta = next((r["delta"] for r in log.reports if "delta" in r), None)
-                result["runs"].append(
-                    {
-                        "model": kind,
-                        "algorithm": algorithm.value,
-                        "defence": defence,
-                        "metric": metric_of(kind),
-                        "curve": log.curve,
-                        "final": log.curve[-1],
-                        "steps": log.steps,
-                        "silenced_steps": log.silenced_steps,
-                        "silenced_step_share": log.silenced_steps / max(1, log.steps),
-                        "exports": log.exports,
-                        "silenced_exports": log.silenced_exports,
-                        "silenced_export_share": log.silenced_exports / max(1, log.exports),
-                        "epsilon": max(eps) if eps else None,
-                        "delta": delta,
-                        "attacks": attacks,
-                        "train_seconds": round(log.train_seconds, 2),
-                        "seconds_per_round": round(log.train_seconds / config.rounds, 3),
-                        "seconds": round(time.time() - t0, 1),
-                    }
-                )
+                try:
+                    row = _one_run(kind, algorithm, defence, model, shards, build, evaluate, config, device, tick,
+                                   ctx, names, null_rows)
+                except Exception as err:  # one broken baseline must not lose the other runs
+                    row = {"model": kind, "algorithm": algorithm.value, "defence": defence,
+                           "metric": metric_of(kind), "error": f"{type(err).__name__}: {' '.join(str(err).split())}"}
+                    say(f"{kind} · {algorithm.value} · {defence} failed: {row['error'][:200]}")
+                row["seconds"] = round(time.time() - t0, 1)
+                result["runs"].append(row)
                 result["wall_seconds"] = round(time.time() - started, 1)
                 result["summary"] = summarise(result)
+                result["statements"] = statements(result["summary"], result["runs"])
                 sink(result)
         del model, ctx
     result["wall_seconds"] = round(time.time() - started, 1)
     result["summary"] = summarise(result)
+    result["statements"] = statements(result["summary"], result["runs"])
+    result["complete"] = True
     sink(result)
     return result
+
+
+def _one_run(kind, algorithm, defence, model, shards, build, evaluate, config, device, tick, ctx, names, null_rows):
+    log = federate(model, defence, shards, build, evaluate, algorithm, config, device, tick)
+    attacks = privacy.attack_run(ctx, defence, algorithm, log.captures, log.models, names, null_rows)
+    eps = [r["epsilon"] for r in log.reports if "epsilon" in r]
+    return {
+        "model": kind,
+        "algorithm": algorithm.value,
+        "defence": defence,
+        "metric": metric_of(kind),
+        "curve": log.curve,
+        "final": log.curve[-1],
+        "steps": log.steps,
+        "silenced_steps": log.silenced_steps,
+        "silenced_step_share": log.silenced_steps / max(1, log.steps),
+        "exports": log.exports,
+        "silenced_exports": log.silenced_exports,
+        "silenced_export_share": log.silenced_exports / max(1, log.exports),
+        "epsilon": max(eps) if eps else None,
+        "delta": next((r["delta"] for r in log.reports if "delta" in r), None),
+        "attacks": attacks,
+        "train_seconds": round(log.train_seconds, 2),
+        "seconds_per_round": round(log.train_seconds / config.rounds, 3),
+    }

@@ -29,8 +29,12 @@ def summarise(result: dict) -> list[dict]:
     untrained = {r["model"]: r["untrained"][r["metric"]] for r in result.get("references", [])}
     rows = []
     for run in result.get("runs", []):
+        if "error" in run:
+            continue
         here = (run["model"], run["algorithm"], "none")
-        none = next((r for r in result["runs"] if (r["model"], r["algorithm"], r["defence"]) == here), None)
+        none = next(
+            (r for r in result["runs"] if (r["model"], r["algorithm"], r["defence"]) == here and "error" not in r), None
+        )
         value, ref = _value(run), _value(none) if none else float("nan")
         if run["metric"] == "perplexity":
             ratio = value / ref if ref > 0 else float("nan")
@@ -102,4 +106,35 @@ def merge(old: dict, new: dict) -> dict:
                        "models": sorted({r["model"] for r in out["runs"]}),
                        "algorithms": sorted({r["algorithm"] for r in out["runs"]})}
     out["summary"] = summarise(out)
+    out["statements"] = statements(out["summary"], out["runs"])
+    return out
+
+
+def statements(summary: list[dict], runs: list[dict] = ()) -> list[str]:
+    """One plain sentence per model x algorithm: which defences meet the bar (utility and privacy) and which
+    do not, and why; then one per run that failed."""
+    out = []
+    for model, algorithm in dict.fromkeys((s["model"], s["algorithm"]) for s in summary):
+        rows = [s for s in summary if (s["model"], s["algorithm"]) == (model, algorithm) and s["defence"] != "none"]
+        both = [s["defence"] for s in rows if s["meets_both"]]
+        misses = []
+        for s in rows:
+            if s["meets_both"]:
+                continue
+            why = []
+            if not s["meets_utility"]:
+                why.append(f"utility {s['ratio']:.3g}x undefended" if s["ratio"] is not None else "no utility")
+            if not s["meets_privacy"]:
+                why.append(f"{s['worst_attack']} {s['worst_excess']:+.2f} over null" if s["worst_attack"]
+                           else "no attack scored")
+            misses.append(f"{s['defence']} ({'; '.join(why)})")
+        decoder = bool(rows) and rows[0]["metric"] == "perplexity"
+        bar = f"ppl <= {PPL_BAR}x undefended" if decoder else f"acc >= {ACC_BAR}x undefended"
+        out.append(
+            f"{model} · {algorithm} (bar: {bar}, every attack <= max(0.05, null + 0.05)): meets it: "
+            f"{', '.join(both) or 'none'}; does not: {', '.join(misses) or 'none'}"
+        )
+    for run in runs:
+        if "error" in run:
+            out.append(f"{run['model']} · {run['algorithm']} · {run['defence']}: the run failed ({run['error'][:300]})")
     return out

@@ -1,0 +1,127 @@
+"""The two figures of a utility study (matplotlib, imported when drawing):
+
+* learning curves: the validation metric against the round, one panel per model x algorithm, one line per
+  defence, with the untrained model and the utility bar (1.05x undefended perplexity, 0.98x accuracy);
+* the privacy-utility frontier: final utility against the worst attack's excess over its null baseline
+  (0 = the attack reads nothing), one marker per defence, with both bars.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..audit.records import MARGIN
+from .results import ACC_BAR, PPL_BAR
+
+COLOURS = ("#000000", "#1f77b4", "#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+MARKERS = ("o", "*", "P", "X", "s", "D", "^", "v", "<")
+
+
+def _panels(result: dict) -> list[tuple[str, str]]:
+    return list(dict.fromkeys((r["model"], r["algorithm"]) for r in result["runs"]))
+
+
+def _styles(result: dict) -> dict[str, tuple[str, str]]:
+    defences = list(dict.fromkeys(r["defence"] for r in result["runs"]))
+    return {d: (COLOURS[i % len(COLOURS)], MARKERS[i % len(MARKERS)]) for i, d in enumerate(defences)}
+
+
+def _bar(metric: str, undefended: float | None) -> float | None:
+    if undefended is None or not math.isfinite(undefended):
+        return None
+    return undefended * (PPL_BAR if metric == "perplexity" else ACC_BAR)
+
+
+def learning_curves(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = _panels(result)
+    if not panels:
+        return
+    style = _styles(result)
+    untrained = {r["model"]: r["untrained"][r["metric"]] for r in result["references"]}
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.8), squeeze=False)
+    for ax, (model, algorithm) in zip(axes[0], panels):
+        runs = [r for r in result["runs"] if (r["model"], r["algorithm"]) == (model, algorithm) and "curve" in r]
+        if not runs:
+            continue
+        metric = runs[0]["metric"]
+        for run in runs:
+            colour, marker = style[run["defence"]]
+            xs = [p["round"] for p in run["curve"]]
+            ys = [p.get(metric) for p in run["curve"]]
+            label = run["defence"] + (f" (ε {run['epsilon']:.3g})" if run.get("epsilon") is not None else "")
+            share = run.get("silenced_export_share") or 0.0
+            if share:
+                label += f" ({share:.0%} silenced)"
+            ax.plot(xs, ys, color=colour, marker=marker, markersize=4, linewidth=1.4, label=label)
+        if model in untrained:
+            ax.axhline(untrained[model], color="0.4", linestyle=":", linewidth=1.2, label="untrained")
+        none = next((r for r in runs if r["defence"] == "none"), None)
+        bar = _bar(metric, none["final"].get(metric) if none else None)
+        if bar is not None:
+            ax.axhline(bar, color="tab:red", linestyle="--", linewidth=1,
+                       label=f"utility bar ({PPL_BAR:g}x undefended)" if metric == "perplexity"
+                       else f"utility bar ({ACC_BAR:g}x undefended)")
+        if metric == "perplexity":
+            ax.set_yscale("log")
+            ax.set_ylabel("validation perplexity (lower is better)")
+        else:
+            ax.set_ylabel("validation accuracy (higher is better)")
+        ax.set_xlabel("round")
+        ax.set_title(f"{model} · {algorithm}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def frontier(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = _panels(result)
+    if not panels:
+        return
+    style = _styles(result)
+    summary = result.get("summary", [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.8), squeeze=False)
+    for ax, (model, algorithm) in zip(axes[0], panels):
+        rows = [s for s in summary if (s["model"], s["algorithm"]) == (model, algorithm)]
+        if not rows:
+            continue
+        metric = rows[0]["metric"]
+        for s in rows:
+            if s["final"] is None or s["worst_excess"] is None or not math.isfinite(s["final"]):
+                continue
+            colour, marker = style[s["defence"]]
+            ax.scatter(s["final"], max(0.0, s["worst_excess"]), color=colour, marker=marker, s=90,
+                       edgecolors="red" if not s["meets_privacy"] else "white", linewidths=1.5,
+                       label=s["defence"] + ("  meets both bars" if s["meets_both"] else ""), zorder=3)
+        ax.axhline(MARGIN, color="tab:red", linestyle="--", linewidth=1, label=f"privacy bar (null + {MARGIN})")
+        bar = _bar(metric, rows[0]["undefended"])
+        if bar is not None:
+            ax.axvline(bar, color="tab:red", linestyle="-.", linewidth=1, label="utility bar")
+        untrained = rows[0]["untrained"]
+        if untrained is not None:
+            ax.axvline(untrained, color="0.4", linestyle=":", linewidth=1.2, label="untrained")
+        if metric == "perplexity":
+            ax.set_xscale("log")
+            ax.set_xlabel("final validation perplexity (lower is better)")
+        else:
+            ax.set_xlabel("final validation accuracy (higher is better)")
+        ax.set_ylabel("worst attack: excess over its null baseline\n(any attacked round; lower is more private)")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"{model} · {algorithm}: privacy-utility frontier")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
