@@ -1,4 +1,5 @@
-"""The ``aegis`` command line: ``aegis inspect`` (coverage report) and ``aegis audit`` (the main job).
+"""The ``aegis`` command line: ``aegis inspect`` (coverage report), ``aegis audit`` (the main job) and
+``aegis utility`` (long federated runs: learning curves and the privacy-utility frontier).
 
 Bad input is refused before any model loads, in one line that names the option and the fix, with exit
 code 2; a failure during the run prints one line and keeps what finished (``--debug``: the traceback).
@@ -351,6 +352,63 @@ def _run(config, data, folder, console: Console, debug: bool) -> None:
             f"error: --out: could not write to {writer.failure}; the full report is in {writer.folder}", err=True
         )
         raise typer.Exit(1)
+
+
+# -- utility -------------------------------------------------------------------------------------------------------
+
+
+@app.command(cls=_Command)
+def utility(
+    out: str = typer.Option("aegis-utility", show_default=False, help="output folder (default aegis-utility)"),
+    quick: bool = typer.Option(False, "--quick", help="2 clients, 3 rounds, batch 2: under 3 minutes on 2 CPU cores"),
+    device: str = typer.Option("cpu", show_default=False, help="cpu (default) or cuda"),
+    models: str | None = typer.Option(None, help="comma-separated, from: decoder, encoder (default decoder)"),
+    defences: str | None = typer.Option(None, help="comma-separated (default: none, aegis-paper, aegis-utility, "
+                                        "dp-sgd, prune-90, soteria-80)"),
+    algorithms: str | None = typer.Option(None, help="fedsgd, fedavg or both (default both)"),
+    rounds: int | None = typer.Option(None, help="rounds (default 300; --quick 3)"),
+    clients: int | None = typer.Option(None, help="clients with non-identical data (default 8; --quick 2)"),
+    local_steps: int | None = typer.Option(None, "--local-steps", help="FedAvg local steps (default: one epoch)"),
+    eval_every: int | None = typer.Option(None, "--eval-every", help="rounds between evaluations (default 10)"),
+    append: bool = typer.Option(False, "--append", help="merge into the study already in --out"),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+) -> None:
+    """Long federated runs per defence: learning curves, the bar (utility and privacy), the frontier.
+
+    A command of its own rather than ``audit --utility``: its runs are hundreds of rounds (the audit's are a
+    few), and --rounds, --clients and the algorithms mean other things than the audit's options."""
+    from aegis.audit.options import UsageError, split_names
+    from aegis.utility import UtilityConfig
+    from aegis.utility.study import study
+
+    changes = {
+        k: v
+        for k, v in dict(models=split_names(models), defences=split_names(defences),
+                         algorithms=split_names(algorithms), rounds=rounds, clients=clients,
+                         local_steps=local_steps, eval_every=eval_every).items()
+        if v is not None
+    }
+    try:
+        if device not in ("cpu", "cuda"):
+            raise UsageError("--device", f"unknown {device!r}; choose from cpu, cuda")
+        try:
+            config = UtilityConfig.quick(**changes) if quick else UtilityConfig(**changes)
+        except UsageError:
+            raise
+        except ValueError as err:
+            raise UsageError("--algorithms", f"{err}; choose from fedsgd, fedavg") from None
+    except UsageError as err:
+        if debug:
+            raise
+        raise _fail(str(err)) from None
+    console = Console()
+    try:
+        result, paths = study(config, device, out, append=append, say=lambda line: click.echo(line, err=True))
+    except UsageError as err:
+        raise _fail(str(err)) from None
+    for line in result["statements"]:
+        console.print(line, highlight=False)
+    console.print(f"wrote {', '.join(str(p) for p in paths)} in {result['wall_seconds']:.0f} s")
 
 
 ABBREVIATIONS = {
