@@ -318,6 +318,7 @@ SHAPES = [
     (3, 520),  # D >= 512 but D % 16 != 0: the two-pass kernels
     (3, 1024),  # D >= 512, D % 16 == 0: one pass over memory, one row per program
     (2, 1040),  # one pass, masked column tail
+    (11, 1024),  # one pass over more rows than one reduce program takes (interpreter: 4)
     (1100, 3),  # more than 1024 rows: the stats pass reduces several programs' counts
 ]
 
@@ -481,7 +482,8 @@ def test_non_finite_input_poisons_everything(bad, mode, rho):
 
 
 @pytest.mark.parametrize("shape,where", [((3, 1024), (2, 1023)), ((2, 1040), (0, 0)), ((3, 520), (1, 5)),
-                                         ((257, 129), (256, 128)), ((1100, 3), (0, 0))])
+                                         ((257, 129), (256, 128)), ((1100, 3), (0, 0)),
+                                         ((11, 1024), (9, 3))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_non_finite_in_every_kernel_path(shape, where, dtype):
     """A single inf anywhere, 16-bit, every rows kernel and the matrix tiles: NaN everywhere, dtype kept."""

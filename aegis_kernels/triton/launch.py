@@ -41,6 +41,7 @@ class LaunchConfig:
     row_split: int  # rows pass 2 takes one row per program from this row length on
     rows_bd2: int  # its column block (at most; / words per element squared)
     rows_warps2: int | None  # None: one keystream block per thread (more threads would replicate ChaCha work)
+    reduce_chunk: int  # rows per program when the one-pass rows flood's per-row parts are reduced
     pipe_warps: int
     pipe_chunks: int  # pipeline stages of a grouped matrix flood (at most; 4 beat 1 and 8 on H100 and H200)
     pipe_min_bytes: int  # bytes of gradient per stage (at least)
@@ -49,13 +50,14 @@ class LaunchConfig:
 GPU = LaunchConfig(
     fast_math=True, sum_block=2048, sum_iters=SPAN // 2048, sum_unroll=2, flood_block=2048,
     flood_iters=SPAN // 2048, noise_block=2048, flat_block=2048, rows_tile1=2048, rows_warps1=4, rows_tile2=2048,
-    rows_warps=4, row_split=512, rows_bd2=1024, rows_warps2=None, pipe_warps=4, pipe_chunks=4,
+    rows_warps=4, row_split=512, rows_bd2=1024, rows_warps2=None, reduce_chunk=1024, pipe_warps=4, pipe_chunks=4,
     pipe_min_bytes=128 << 20,
 )
 INTERPRETER = LaunchConfig(
     fast_math=False, sum_block=16384, sum_iters=SPAN // 16384, sum_unroll=1, flood_block=8192,
     flood_iters=SPAN // 8192, noise_block=16384, flat_block=8192, rows_tile1=16384, rows_warps1=4, rows_tile2=16384,
-    rows_warps=4, row_split=512, rows_bd2=16384, rows_warps2=None, pipe_warps=4, pipe_chunks=4, pipe_min_bytes=1,
+    rows_warps=4, row_split=512, rows_bd2=16384, rows_warps2=None, reduce_chunk=4, pipe_warps=4, pipe_chunks=4,
+    pipe_min_bytes=1,
 )
 # the configuration of launches in this process's own mode (grouped tables built outside a launch)
 PROCESS = INTERPRETER if INTERPRETED else GPU

@@ -75,6 +75,30 @@ def _matrix_sum_tile(x_ptr, numel, local, part_ptr, slot, BLOCK: tl.constexpr, I
 
 
 @triton.jit
+def _matrix_sum_noise_tile(g_ptr, numel, local, part_ptr, slot, sigma, bbase, k0, k1, k2, k3, k4, k5, k6, k7,
+                           BLOCK: tl.constexpr, ITERS: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr):
+    """Pass 1 and pass 2 of a rho-0 tile in place: part[slot] = [sum x^2, any non-finite] of G, and
+    G := sigma Z. Each thread stores exactly the elements it loaded (one layout), so the in-place
+    write needs no barrier."""
+    L: tl.constexpr = 16 // PER
+    start = local.to(tl.int64) * (BLOCK * ITERS)
+    offs = tile_lanes(BLOCK // L, L)
+    acc = tl.zeros([BLOCK // L, L], tl.float32)
+    bad = tl.zeros([BLOCK // L, L], tl.float32)
+    n_iter = tl.minimum(tl.cdiv(numel - start, BLOCK), ITERS)
+    for i in range(0, n_iter):
+        e0 = start + i * BLOCK
+        m = offs < numel - e0
+        x = tl.load(g_ptr + e0 + offs, mask=m, other=0.0).to(tl.float32)
+        acc += x * x
+        bad = tl.maximum(bad, tl.where(tl.abs(x) <= FLT_MAX, 0.0, 1.0))
+        za, zb = noise_tile(k0, k1, k2, k3, k4, k5, k6, k7, bbase + e0 // L, BLOCK // L, PER, FAST)
+        tl.store(g_ptr + e0 + offs, to_out(noise_only(sigma, za, zb, PER), g_ptr), mask=m)
+    tl.store(part_ptr + 2 * slot, tl.sum(tl.sum(acc, axis=1), axis=0))
+    tl.store(part_ptr + 2 * slot + 1, tl.max(tl.max(bad, axis=1), axis=0))
+
+
+@triton.jit
 def _matrix_flood_tile(g_ptr, out_ptr, numel, local, s, sigma, bbase, k0, k1, k2, k3, k4, k5, k6, k7,
                        BLOCK: tl.constexpr, ITERS: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr):
     """Pass 2 on one tile: out = s G + sigma Z; G is not read at all when s == 0."""
@@ -101,7 +125,7 @@ def _matrix_flood_tile(g_ptr, out_ptr, numel, local, s, sigma, bbase, k0, k1, k2
 @triton.jit(do_not_specialize=["a_bbase", "a_first", "b_first", "a_tiles", "b_tiles", "a_numel", "b_numel"])
 def matrix_pipe_kernel(
     a_ptr, a_out_ptr, a_numel, a_bbase, a_tiles, a_first, b_ptr, b_numel, b_tiles, b_first,
-    part_ptr, stats_ptr, key_ptr, tile_tensor_ptr, meta_ptr, T,
+    part_ptr, stats_ptr, params_ptr, key_ptr, tile_tensor_ptr, meta_ptr, T,
     SUM_BLOCK: tl.constexpr, SUM_ITERS: tl.constexpr, SUM_UNROLL: tl.constexpr, FLOOD_BLOCK: tl.constexpr,
     FLOOD_ITERS: tl.constexpr, GROUPED: tl.constexpr, VEC: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
 ):
@@ -112,6 +136,8 @@ def matrix_pipe_kernel(
     overlap this chunk's noise. A or B may be empty (first and last stage).
     GROUPED: A and B are tile ranges [first, first + tiles) of the address table (in-place flood);
     else single tensors (a_out_ptr may differ from a_ptr; stats_ptr is that tensor's stats).
+    GROUPED tensors with rho = 0 (params_ptr, [rho, sigma, clip, thr] per tensor) take one pass over
+    memory: their pass 1 writes the noise as it reads G, and their pass 2 runs only on a non-finite G.
     """
     pid = tl.program_id(0)
     both = tl.minimum(a_tiles, b_tiles)
@@ -132,9 +158,12 @@ def matrix_pipe_kernel(
             if VEC:  # host checked: 16-byte aligned, numel % 16 == 0 -> vector accesses
                 g_ptr = tl.multiple_of(g_ptr, 16)
                 numel = tl.multiple_of(numel, 16)
-            _matrix_flood_tile(g_ptr, g_ptr, numel, local, tl.load(stats_ptr + 3 * t + 2), tl.load(stats_ptr + 3 * t),
-                               tl.load(meta_ptr + 2 * T + t), k0, k1, k2, k3, k4, k5, k6, k7,
-                               FLOOD_BLOCK, FLOOD_ITERS, PER, FAST)
+            sigma = tl.load(stats_ptr + 3 * t)
+            # rho 0: pass 1 wrote the noise already; the flood pass only poisons a non-finite tensor
+            if (tl.load(params_ptr + 4 * t) != 0.0) | (sigma != sigma):
+                _matrix_flood_tile(g_ptr, g_ptr, numel, local, tl.load(stats_ptr + 3 * t + 2), sigma,
+                                   tl.load(meta_ptr + 2 * T + t), k0, k1, k2, k3, k4, k5, k6, k7,
+                                   FLOOD_BLOCK, FLOOD_ITERS, PER, FAST)
         else:
             _matrix_flood_tile(a_ptr, a_out_ptr, a_numel, j, tl.load(stats_ptr + 2), tl.load(stats_ptr), a_bbase,
                                k0, k1, k2, k3, k4, k5, k6, k7, FLOOD_BLOCK, FLOOD_ITERS, PER, FAST)
@@ -148,7 +177,13 @@ def matrix_pipe_kernel(
             if VEC:
                 x_ptr = tl.multiple_of(x_ptr, 16)
                 numel = tl.multiple_of(numel, 16)
-            _matrix_sum_tile(x_ptr, numel, local, part_ptr, tile, SUM_BLOCK, SUM_ITERS, SUM_UNROLL)
+            if tl.load(params_ptr + 4 * t) == 0.0:  # rho 0: the noise needs no norm, write it now
+                k0, k1, k2, k3, k4, k5, k6, k7 = load_key(key_ptr)
+                _matrix_sum_noise_tile(x_ptr, numel, local, part_ptr, tile, tl.load(params_ptr + 4 * t + 1),
+                                       tl.load(meta_ptr + 2 * T + t), k0, k1, k2, k3, k4, k5, k6, k7,
+                                       FLOOD_BLOCK, FLOOD_ITERS, PER, FAST)
+            else:
+                _matrix_sum_tile(x_ptr, numel, local, part_ptr, tile, SUM_BLOCK, SUM_ITERS, SUM_UNROLL)
         else:
             _matrix_sum_tile(b_ptr, b_numel, j, part_ptr, j, SUM_BLOCK, SUM_ITERS, SUM_UNROLL)
 
@@ -185,7 +220,8 @@ class GroupArgs(NamedTuple):
     like: Tensor  # any of the group's tensors: gives the kernel its pointer type
 
 
-def pipe(K: Backend, a, b, part, stats, key, per: int, group: GroupArgs | None = None, vec: bool = False) -> None:
+def pipe(K: Backend, a, b, part, stats, key, per: int, group: GroupArgs | None = None, vec: bool = False,
+         params: Tensor | None = None) -> None:
     """One pipeline stage: pass 2 of A (or nothing) interleaved with pass 1 of B (or nothing).
 
     Per-tensor form: a FloodTiles, b SumTiles. Grouped form (``group`` given): a, b TileRanges."""
@@ -198,11 +234,11 @@ def pipe(K: Backend, a, b, part, stats, key, per: int, group: GroupArgs | None =
         ag, aout, an, abb = (dummy, dummy, 0, 0) if a is None else (a.g, a.out, a.numel, a.bbase)
         bx, bn = (dummy, 0) if b is None else (b.x, b.numel)
         part = stats if part is None else part  # unused pointer arguments get any tensor
-        args = (ag, aout, an, abb, a_tiles, 0, bx, bn, b_tiles, 0, part, stats, key, part, part, 1)
+        args = (ag, aout, an, abb, a_tiles, 0, bx, bn, b_tiles, 0, part, stats, part, key, part, part, 1)
     else:
         x0 = group.like
         args = (x0, x0, 0, 0, a_tiles, 0 if a is None else a.first, x0, 0, b_tiles, 0 if b is None else b.first,
-                part, stats, key, group.tile_tensor, group.meta, group.meta.shape[0] // 4)
+                part, stats, params, key, group.tile_tensor, group.meta, group.meta.shape[0] // 4)
     cfg = K.config
     K.matrix.matrix_pipe_kernel[(a_tiles + b_tiles,)](
         *args, SUM_BLOCK=cfg.sum_block, SUM_ITERS=cfg.sum_iters, SUM_UNROLL=cfg.sum_unroll,
@@ -277,10 +313,10 @@ def flood_matrix_grouped(K: Backend, grads: list[Tensor], params: Tensor, bbases
     prev = None
     for t0, t1 in tables.chunks:
         cur = TileRange(first[t0], first[t1] - first[t0])
-        pipe(K, prev, cur, part, stats, key, per, group, vec)
+        pipe(K, prev, cur, part, stats, key, per, group, vec, params)
         K.matrix.matrix_stats_kernel[(t1 - t0,)](
             part, stats, 0, params, tables.meta, T, t0, BLOCK=STATS_BLOCK, GROUPED=True,
         )
         prev = cur
-    pipe(K, prev, None, part, stats, key, per, group, vec)
+    pipe(K, prev, None, part, stats, key, per, group, vec, params)
     return stats

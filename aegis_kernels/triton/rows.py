@@ -133,7 +133,7 @@ def rows_flood_kernel(
 
 @triton.jit(do_not_specialize=["bbase"])
 def rows_onepass_kernel(
-    g_ptr, out_ptr, part_ptr, params_ptr, key_ptr, bbase, D,
+    g_ptr, out_ptr, part_ptr, count_ptr, params_ptr, key_ptr, bbase, D,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
 ):
     """One row per program, one pass over memory (D % (16 / PER) == 0, long rows): the row's norm,
@@ -144,6 +144,8 @@ def rows_onepass_kernel(
     whole output into NaN."""
     L: tl.constexpr = 16 // PER
     row = tl.program_id(0).to(tl.int64)
+    if row == 0:  # the reduce pass's completion counter (stream order: before that pass starts)
+        tl.store(count_ptr, 0)
     base = row * D
     gp = g_ptr + base
     op = out_ptr + base
@@ -189,27 +191,36 @@ def rows_onepass_kernel(
 
 
 @triton.jit
-def rows_reduce_kernel(part_ptr, stats_ptr, params_ptr, V, BLOCK: tl.constexpr):
-    """stats = [sigma, |S|, clipped, M] from the per-row parts (fixed order); all NaN and stats[4]
-    = 1 when the input had a non-finite element."""
-    offs = tl.arange(0, BLOCK)
-    active = tl.zeros([BLOCK], tl.float32)
-    clipped = tl.zeros([BLOCK], tl.float32)
-    peak = tl.zeros([BLOCK], tl.float32)
-    bad = tl.zeros([BLOCK], tl.float32)
-    for v0 in range(0, V, BLOCK):
-        m = offs < V - v0
-        p = part_ptr + 4 * (v0 + offs)
-        active += tl.load(p, mask=m, other=0.0)
-        clipped += tl.load(p + 1, mask=m, other=0.0)
-        peak = tl.maximum(peak, tl.load(p + 2, mask=m, other=0.0))
-        bad = tl.maximum(bad, tl.load(p + 3, mask=m, other=0.0))
-    nan = tl.max(bad, axis=0) > 0.0
-    tl.store(stats_ptr, tl.where(nan, float("nan"), tl.load(params_ptr + 1)))
-    tl.store(stats_ptr + 1, tl.where(nan, float("nan"), tl.sum(active, axis=0)))
-    tl.store(stats_ptr + 2, tl.where(nan, float("nan"), tl.sum(clipped, axis=0)))
-    tl.store(stats_ptr + 3, tl.where(nan, float("nan"), tl.max(peak, axis=0)))
-    tl.store(stats_ptr + 4, nan.to(tl.float32))
+def rows_reduce_kernel(part_ptr, part2_ptr, count_ptr, stats_ptr, params_ptr, V, CHUNK: tl.constexpr,
+                       FIN: tl.constexpr):
+    """stats = [sigma, |S|, clipped, M] from the per-row parts; all NaN and stats[4] = 1 when the input
+    had a non-finite element. Program j reduces rows [j CHUNK, (j+1) CHUNK) into part2[j] (one
+    program walking every row waits on one load latency per step); the last program to finish
+    (completion counter, zeroed by the one-pass kernel) reduces part2 in a fixed order."""
+    j = tl.program_id(0)
+    v = j.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    m = v < V
+    p = part_ptr + 4 * v
+    tl.store(part2_ptr + 4 * j, tl.sum(tl.load(p, mask=m, other=0.0), axis=0))
+    tl.store(part2_ptr + 4 * j + 1, tl.sum(tl.load(p + 1, mask=m, other=0.0), axis=0))
+    tl.store(part2_ptr + 4 * j + 2, tl.max(tl.load(p + 2, mask=m, other=0.0), axis=0))
+    tl.store(part2_ptr + 4 * j + 3, tl.max(tl.load(p + 3, mask=m, other=0.0), axis=0))
+    # Release this program's partials (every thread's stores, then one gpu-scope acq_rel atomic).
+    tl.debug_barrier()
+    P = tl.num_programs(0)
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel") == P - 1:
+        f = tl.arange(0, FIN)
+        q = part2_ptr + 4 * f
+        fm = f < P
+        nan = tl.max(tl.load(q + 3, mask=fm, other=0.0, cache_modifier=".cg"), axis=0) > 0.0
+        tl.store(stats_ptr, tl.where(nan, float("nan"), tl.load(params_ptr + 1)))
+        tl.store(stats_ptr + 1, tl.where(nan, float("nan"),
+                                         tl.sum(tl.load(q, mask=fm, other=0.0, cache_modifier=".cg"), axis=0)))
+        tl.store(stats_ptr + 2, tl.where(nan, float("nan"),
+                                         tl.sum(tl.load(q + 1, mask=fm, other=0.0, cache_modifier=".cg"), axis=0)))
+        tl.store(stats_ptr + 3, tl.where(nan, float("nan"),
+                                         tl.max(tl.load(q + 2, mask=fm, other=0.0, cache_modifier=".cg"), axis=0)))
+        tl.store(stats_ptr + 4, nan.to(tl.float32))
 
 
 @triton.jit
@@ -259,14 +270,20 @@ def flood_rows(K: Backend, g: Tensor, out: Tensor, params: Tensor, key: Tensor, 
     cfg, R = K.config, K.rows
     norms_tile, flood_tile = rows_tiling(cfg, V, D, per)
     if flood_tile.rows == 1 and D % (ref.BLOCK_WORDS // per) == 0:  # long rows: one pass over memory
-        part = torch.empty(V, 4, dtype=torch.float32, device=dev)
-        flag = torch.empty(5, dtype=torch.float32, device=dev)  # stats + the non-finite flag
+        P = cdiv(V, cfg.reduce_chunk)
+        # per-row parts [V, 4], per-chunk partials [P, 4], the stats + non-finite flag [5], the counter
+        part = torch.empty(4 * V + 4 * P + 5 + 1, dtype=torch.float32, device=dev)
+        part2, flag = part[4 * V : 4 * V + 4 * P], part[4 * V + 4 * P : 4 * V + 4 * P + 5]
+        count = part[4 * V + 4 * P + 5 :].view(torch.int32)
         bd = flood_tile.cols
         R.rows_onepass_kernel[(V,)](
-            g, out, part, params, key, bbase, D, BLOCK_D=bd, EVEN_D=D % bd == 0, PER=per, FAST=cfg.fast_math,
-            num_warps=flood_tile.warps,
+            g, out, part, count, params, key, bbase, D, BLOCK_D=bd, EVEN_D=D % bd == 0, PER=per,
+            FAST=cfg.fast_math, num_warps=flood_tile.warps,
         )
-        R.rows_reduce_kernel[(1,)](part, flag, params, V, BLOCK=2048, num_warps=8)
+        R.rows_reduce_kernel[(P,)](
+            part, part2, count, flag, params, V, CHUNK=cfg.reduce_chunk, FIN=max(2, 1 << (P - 1).bit_length()),
+            num_warps=4,
+        )
         R.rows_poison_kernel[(min(cdiv(V * D, 4096), 1024),)](out, flag, V * D, BLOCK=4096)
         stats.copy_(flag[:4])
         return stats
