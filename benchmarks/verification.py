@@ -1,22 +1,25 @@
 """Candidate verification, repeated exposure and the label channel against the presets.
 
 For each model (default decoder, LLaMA-architecture decoder, MiniLM encoder) and each setting (the two
-presets at one export and at their exposure budget, and weakened settings that must leak: the paper's
-batch calibration, the paper's original rows rho = 0.3), the server runs:
+presets at one export, at their exposure budget and past it with the budget switched off, and weakened
+settings that must leak: the paper's batch calibration, the paper's original rows rho = 0.3), the server
+runs, for every N of ``--candidates`` (10, 40, 1000) and every B of ``--batch-sizes`` (1, 4, 8):
 
-* ``secret``: which of 40 PINs completes "my pin is ____" (B = 1; B = 4 with three known sentences);
-* ``sentence``: which of 40 candidate batches (B = 1 or 4 corpus sentences) the client trained on;
-  both with every ``aegis.attacks.fingerprint`` variant on the mean of K exports (``attacks.repeated``);
+* ``secret``: which of N PINs completes "my pin is ____" (B = 1; B > 1 with B - 1 known sentences);
+* ``sentence``: which of N candidate batches (B corpus sentences each) the client trained on;
+  both with every ``aegis.attacks.fingerprint`` variant on the mean of K exports (``attacks.repeated``),
+  scored by ``attacks.candidates.Verifier`` (candidates streamed in batched chunks, any N);
 * ``labels`` (encoder): the label multiset from the head gradient at B = 1, 2, 8 (``attacks.labels``).
 
 Each attack's null is its score on an export that carries nothing of the batch (``no signal: rho 0``):
 the label attack's guesses are not uniform (its counts avoid repeats), so its chance level differs from
-uniform guessing's (``null`` in the label rows).
+uniform guessing's (``null`` in the label rows). Chance of a 1-of-N guess is 1/N.
 
     python benchmarks/verification.py                   # on CUDA: the Triton floods, the real cipher
     python benchmarks/verification.py --fast-noise      # CPU: keyed torch.randn instead of ChaCha
 
-Writes verification-<card>.json to --out (default benchmarks/results).
+Writes verification-<card>.json to --out (default benchmarks/results); ``--append`` merges into it,
+replacing only the cells (model, setting, B, N) this run measures.
 """
 from __future__ import annotations
 
@@ -35,14 +38,15 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
 import aegis  # noqa: E402
 from aegis import AegisConfig, Calibration, ExposurePolicy, Treatment  # noqa: E402
 from aegis.attacks import shared_gradient  # noqa: E402
-from aegis.attacks.fingerprint import VARIANTS, fingerprint_accuracies  # noqa: E402
+from aegis.attacks.candidates import Candidate, Verifier, verification_accuracy  # noqa: E402
+from aegis.attacks.fingerprint import VARIANTS  # noqa: E402
 from aegis.attacks.labels import label_accuracy, label_leak, label_null  # noqa: E402
 from aegis.attacks.repeated import averaged_export  # noqa: E402
 from aegis.config import PRESET_EXPOSURES, PRESETS  # noqa: E402
 from aegis.data import LABELS, load_corpus  # noqa: E402
 from aegis.models import default_decoder, default_encoder  # noqa: E402
 
-PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(40)]
+PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(10000)]  # distinct: 7919 is prime to 10^4
 ROWS = ("token_embedding", "position_embedding", "lm_head", "token_embedding_lora", "head")
 
 
@@ -56,6 +60,8 @@ def settings(sweep: tuple[float, ...] = ()) -> dict[str, tuple[AegisConfig, int]
         budget = PRESET_EXPOSURES[preset]
         if budget > 1:
             out[f"{preset} K={budget}"] = (AegisConfig(preset=preset, **base), budget)
+        for k in (4 * budget, 16 * budget):  # past the promise: the shield would refuse these exports
+            out[f"past budget: {preset} K={k}"] = (AegisConfig(preset=preset, **base), k)
     weak = Treatment("rows", lam=1.0, rho=0.3)
     out["weak: batch calibration"] = (AegisConfig(preset="paper", calibration=Calibration.BATCH, **base), 1)
     out["weak: rows rho 0.3"] = (AegisConfig(preset="paper", overrides={r: weak for r in ROWS}, **base), 1)
@@ -70,51 +76,67 @@ def settings(sweep: tuple[float, ...] = ()) -> dict[str, tuple[AegisConfig, int]
 def build(name: str):
     if name == "decoder":
         return default_decoder()
-    if name == "llama":
-        return default_decoder(arch="llama")
-    return default_encoder(num_labels=len(LABELS))
+    if name in ("gpt2", "llama"):
+        return default_decoder(arch=name)
+    if name == "encoder":
+        return default_encoder(num_labels=len(LABELS))
+    raise ValueError(f"model {name!r}: use decoder, gpt2, llama or encoder")
 
 
-def tasks(batch_size: int, pool: list, filler: list) -> dict[str, tuple[list[list[str]], list[list[int]]]]:
-    """task -> (40 candidate batches, their labels)."""
-    secret = [[f"my pin is {v}"] + [e.text for e in filler[: batch_size - 1]] for v in PINS]
-    secret_labels = [[0] + [LABELS.index(e.label) for e in filler[: batch_size - 1]] for _ in PINS]
-    chunks = [pool[i * batch_size : (i + 1) * batch_size] for i in range(40)]
-    return {
-        "secret": (secret, secret_labels),
-        "sentence": ([[e.text for e in c] for c in chunks], [[LABELS.index(e.label) for e in c] for c in chunks]),
-    }
+def tasks(batch_size: int, n: int, pool: list, filler: list) -> dict[str, list[Candidate]]:
+    """task -> N candidate batches (with their labels, for the encoder). Sentence candidates are disjoint
+    chunks of the pool while it lasts, else distinct seeded random draws of B sentences from it."""
+    known = filler[: batch_size - 1]
+    secret = [Candidate((f"my pin is {v}", *(e.text for e in known)), (0, *(LABELS.index(e.label) for e in known)))
+              for v in PINS[:n]]
+    if n * batch_size <= len(pool):
+        picks = [list(range(i * batch_size, (i + 1) * batch_size)) for i in range(n)]
+    else:
+        gen, seen, picks = torch.Generator().manual_seed(n * 100 + batch_size), set(), []
+        while len(picks) < n:
+            pick = torch.randperm(len(pool), generator=gen)[:batch_size].tolist()
+            if frozenset(pick) not in seen:
+                seen.add(frozenset(pick))
+                picks.append(pick)
+    sentence = [Candidate(tuple(pool[i].text for i in p), tuple(LABELS.index(pool[i].label) for i in p))
+                for p in picks]
+    return {"secret": secret, "sentence": sentence}
 
 
-def verification(model_name: str, device: torch.device, trials: list[int], chosen: dict, log) -> list[dict]:
+def verification(model_name: str, device: torch.device, trials: int, chosen: dict, sizes, batch_sizes,
+                 log) -> list[dict]:
     corpus = load_corpus("train")
     rows = []
     for setting, (config, k) in chosen.items():
-        for batch_size in (1, 4):
-            for task, (cands, labels) in tasks(batch_size, corpus[:160], corpus[200:]).items():
-                model, tok = build(model_name)
-                model.to(device)
-                labels = labels if model_name == "encoder" else None
-                shield = aegis.protect(model, config=config)
-
-                def export(i: int, model=model, cands=cands, tok=tok, shield=shield, labels=labels, k=k) -> dict:
-                    label = None if labels is None else labels[i]
-                    return averaged_export(
-                        lambda: shared_gradient(model, cands[i], tok, shield=shield, labels=label), k
-                    )
-
-                start = time.time()
-                results = fingerprint_accuracies(model, tok, config, cands, trials, variants=VARIANTS,
-                                                 labels=labels, export=export)
-                for variant, r in results.items():
-                    rows.append(dict(model=model_name, setting=setting, task=task, batch_size=batch_size, exports=k,
-                                     variant=variant, accuracy=r.accuracy, null=r.null, mean_rank=r.mean_rank,
-                                     trials=r.trials))
-                best = max(results.values(), key=lambda r: r.accuracy)
-                log(f"{model_name:8s} {setting:26s} {task:8s} B={batch_size} K={k}: "
-                    + " ".join(f"{v} {r.accuracy:.3f}" for v, r in results.items())
-                    + f" (null {best.null:.3f}, {time.time() - start:.0f} s)")
+        for n in sizes:
+            for batch_size in batch_sizes:
+                for task, cands in tasks(batch_size, n, corpus[:160], corpus[200:]).items():
+                    model, tok = build(model_name)
+                    model.to(device)
+                    if model_name != "encoder":
+                        cands = [Candidate(c.texts) for c in cands]
+                    shield = aegis.protect(model, config=config)
+                    truths = [round(i * n / trials) for i in range(min(trials, n))]
+                    start = time.time()
+                    verifier = Verifier(model, tok, config, exposures=k)
+                    observations = [verifier.observe(_export(model, tok, shield, cands[t], k)) for t in truths]
+                    exported = time.time() - start
+                    results = verification_accuracy(verifier, observations, truths, cands)
+                    for variant, r in results.items():
+                        rows.append(dict(model=model_name, setting=setting, task=task, batch_size=batch_size,
+                                         candidates=n, exports=k, variant=variant, accuracy=r.accuracy, null=r.null,
+                                         mean_rank=r.mean_rank, trials=r.trials))
+                    scored = time.time() - start - exported
+                    log(f"{model_name:8s} {setting:26s} {task:8s} N={n:<5d} B={batch_size} K={k}: "
+                        + " ".join(f"{v} {r.accuracy:.3f}" for v, r in results.items())
+                        + f" (null {1 / n:.3f}; exports {exported:.0f} s, scores {scored:.0f} s)")
     return rows
+
+
+def _export(model, tok, shield, candidate: Candidate, k: int) -> dict:
+    """The mean of K masked exports of the client's batch ``candidate``."""
+    labels = None if candidate.labels is None else list(candidate.labels)
+    return averaged_export(lambda: shared_gradient(model, list(candidate.texts), tok, shield=shield, labels=labels), k)
 
 
 def labels(device: torch.device, chosen: dict, log, rows: list[dict], save) -> None:
@@ -143,20 +165,25 @@ def labels(device: torch.device, chosen: dict, log, rows: list[dict], save) -> N
 
 
 def pooled(rows: list[dict]) -> list[dict]:
-    """Per setting and variant, the hits over every cell against 1/40: one cell of 40 trials puts a
-    chance-level attacker at >= 4 hits (0.10) 2 % of the time, so a leak shows in the pool first."""
+    """Per setting, N and variant, the hits over every cell against 1/N: one cell of 40 trials puts a
+    chance-level attacker at >= 4 hits of 1/40 (0.10) 2 % of the time, so a leak shows in the pool first.
+    ``p_value``: one-sided binomial, P(>= hits | chance)."""
     from scipy.stats import binom
 
     out = []
     for setting in dict.fromkeys(r["setting"] for r in rows):
-        for variant in VARIANTS:
-            cells = [r for r in rows if r["setting"] == setting and r["variant"] == variant]
-            hits = round(sum(r["accuracy"] * r["trials"] for r in cells), 3)
-            n = sum(r["trials"] for r in cells)
-            null = cells[0]["null"]
-            out.append(dict(setting=setting, variant=variant, cells=len(cells), trials=n, accuracy=hits / n, null=null,
-                            worst_cell=max(r["accuracy"] for r in cells),
-                            p_value=float(binom.sf(max(int(-(-hits // 1)) - 1, -1), n, null))))
+        for n in sorted({r.get("candidates", 40) for r in rows if r["setting"] == setting}):
+            for variant in VARIANTS:
+                cells = [r for r in rows if r["setting"] == setting and r["variant"] == variant
+                         and r.get("candidates", 40) == n]
+                if not cells:
+                    continue
+                hits = round(sum(r["accuracy"] * r["trials"] for r in cells), 3)
+                trials = sum(r["trials"] for r in cells)
+                out.append(dict(setting=setting, candidates=n, variant=variant, cells=len(cells), trials=trials,
+                                accuracy=hits / trials, null=1 / n, bar=1 / n + 0.05,
+                                worst_cell=max(r["accuracy"] for r in cells),
+                                p_value=float(binom.sf(max(int(-(-hits // 1)) - 1, -1), trials, 1 / n))))
     return out
 
 
@@ -174,11 +201,14 @@ def _head_rho(model, tok, shield) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="decoder,llama,encoder")
-    parser.add_argument("--trials", type=int, default=40, help="1-of-40 trials per cell")
+    parser.add_argument("--trials", type=int, default=40, help="trials (exports) per cell, at most N")
+    parser.add_argument("--candidates", default="40", help="comma-separated N of the 1-of-N tests, e.g. 10,40,1000")
+    parser.add_argument("--batch-sizes", default="1,4", help="comma-separated client batch sizes B, e.g. 1,4,8")
     parser.add_argument("--fast-noise", action="store_true", help="keyed torch.randn instead of the cipher (CPU)")
     parser.add_argument("--skip-labels", action="store_true")
     parser.add_argument("--snr-sweep", default="", help="comma-separated rows snr caps to add as settings")
-    parser.add_argument("--settings", default="", help="comma-separated name prefixes to run (default: all)")
+    parser.add_argument("--settings", default="",
+                        help="comma-separated name prefixes to run (default: all), e.g. 'paper,past budget: utility'")
     parser.add_argument("--append", action="store_true", help="merge into an existing result file in --out")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
@@ -189,7 +219,10 @@ def main() -> None:
         ref.noise_components = keyed_normals
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     card = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    trials = [round(i * 40 / args.trials) for i in range(args.trials)]
+    sizes = [int(x) for x in args.candidates.split(",")]
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    if min(sizes) < 2 or min(batch_sizes) < 1 or args.trials < 1:
+        parser.error("--candidates N >= 2, --batch-sizes B >= 1 and --trials >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
     tag = "h100" if "H100" in card else "h200" if "H200" in card else "cpu"
     path = args.out / f"verification-{tag}.json"
@@ -206,24 +239,28 @@ def main() -> None:
         prefixes = tuple(args.settings.split(","))
         chosen = {k: v for k, v in chosen.items() if k.startswith(prefixes)}
     old = json.loads(path.read_text()) if args.append and path.exists() else {"verification": [], "labels": []}
-    rows = [r for r in old["verification"] if r["setting"] not in chosen]
+    models = args.models.split(",")
+    measured = {(m, s, b, n) for m in models for s in chosen for b in batch_sizes for n in sizes}
+    rows = [r for r in old["verification"]
+            if (r["model"], r["setting"], r["batch_size"], r.get("candidates", 40)) not in measured]
     label_rows = [
         r for r in old["labels"] if r["setting"] not in chosen and (r["setting"] != "none K=1" or args.skip_labels)
     ]
 
     def save() -> None:  # after every model: a late failure loses nothing
         path.write_text(json.dumps(dict(card=card, torch=torch.__version__, fast_noise=args.fast_noise,
-                                        candidates=40, pooled=pooled(rows), verification=rows, labels=label_rows),
+                                        pooled=pooled(rows), verification=rows, labels=label_rows),
                                    indent=1))
 
-    for name in args.models.split(","):
-        rows += verification(name, device, trials, chosen, log)
+    for name in models:
+        rows += verification(name, device, args.trials, chosen, sizes, batch_sizes, log)
         save()
     if not args.skip_labels:
         labels(device, chosen, log, label_rows, save)
     for p in pooled(rows):
         if p["variant"] == "likelihood":
-            print(f"{p['setting']:28s} pooled {p['accuracy']:.3f} over {p['trials']} trials (null {p['null']:.3f}, "
+            print(f"{p['setting']:28s} N={p['candidates']:<5d} pooled {p['accuracy']:.3f} over {p['trials']} trials "
+                  f"(null {p['null']:.3f}, "
                   f"p = {p['p_value']:.3f}), worst cell {p['worst_cell']:.3f}")
     print(f"wrote {path}")
 
