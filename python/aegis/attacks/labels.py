@@ -59,10 +59,21 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-__all__ = ["HEAD_NAMES", "LabelLeak", "find_head", "infer_labels", "label_accuracy", "label_leak", "label_null"]
+__all__ = [
+    "HEAD_NAMES",
+    "LabelLeak",
+    "LabelTest",
+    "find_head",
+    "infer_labels",
+    "label_accuracy",
+    "label_leak",
+    "label_null",
+    "label_test",
+]
 
 # Module names (or name suffixes) of the final linear layer of a classification head, most specific first.
 HEAD_NAMES = (
@@ -333,10 +344,64 @@ def label_null(num_labels: int, batch_size: int) -> float:
     """Expected :func:`label_accuracy` of ``batch_size`` uniform guesses against ``batch_size`` uniform labels.
 
     Per class the two counts are independent Binomial(B, 1/C), so the expectation is (C / B) E[min(X, Y)]
-    (exact, by linearity over classes); 1/C for B = 1."""
+    (exact, by linearity over classes); 1/C for B = 1. This is the chance level of *uniform* guessing only:
+    the attack's own guesses on a gradient that carries nothing have structure (largest-remainder counts
+    around ``B p̄`` rarely repeat a class), so their chance level is higher at B > 1; :func:`label_test`
+    measures it."""
     if num_labels < 1 or batch_size < 1:
         raise ValueError(f"num_labels={num_labels}, batch_size={batch_size}: both must be >= 1")
     q = 1.0 / num_labels
     pmf = [math.comb(batch_size, k) * q**k * (1 - q) ** (batch_size - k) for k in range(batch_size + 1)]
     e_min = sum(pmf[x] * pmf[y] * min(x, y) for x in range(batch_size + 1) for y in range(batch_size + 1))
     return num_labels * e_min / batch_size
+
+
+@dataclass(frozen=True)
+class LabelTest:
+    """The label attack over ``n`` batches against its own chance level (see :func:`label_test`)."""
+
+    accuracy: float  # mean label_accuracy of each guess against its own batch
+    null: float  # mean accuracy of the guesses against the other batches: the chance level of these guesses
+    p_value: float  # permutation p-value: P(accuracy this high | the guesses are independent of the batches)
+    n: int
+
+
+def _counts(multisets: list[list[int]], num_labels: int) -> np.ndarray:
+    out = np.zeros((len(multisets), num_labels))
+    for i, labels in enumerate(multisets):
+        np.add.at(out[i], np.asarray(labels, dtype=int), 1.0)
+    return out
+
+
+def label_test(
+    preds: list[list[int]], truths: list[list[int]], num_labels: int, *, permutations: int = 9999, seed: int = 0
+) -> LabelTest:
+    """Is the attack's accuracy over these batches above what its guesses reach by chance?
+
+    H0: the shared gradients carry nothing of the labels, so each guess is independent of its batch. Under
+    H0 the pairing of guesses with batches is exchangeable, so the accuracy is one draw of the mean accuracy
+    under a random pairing: ``null`` is that distribution's expectation estimated on the pairs that are
+    certainly independent (each guess against every other batch), and ``p_value`` = (1 + #{pairings scoring
+    at least the observed accuracy}) / (1 + ``permutations``) over seeded random pairings, an exact
+    (conservative) p-value. It holds whatever structure the guesses have and whatever the label
+    distribution, where :func:`label_null` assumes uniform guesses of uniform labels."""
+    n = len(preds)
+    if n < 2 or len(truths) != n:
+        raise ValueError(f"{n} guesses and {len(truths)} batches: label_test needs the same number, at least 2")
+    if permutations < 1:
+        raise ValueError(f"permutations={permutations}: use at least 1 (9999 resolves p down to 1e-4)")
+    sizes = np.array([len(t) for t in truths], dtype=float)
+    if (sizes == 0).any():
+        raise ValueError("every batch needs at least one true label")
+    p, t = _counts(preds, num_labels), _counts(truths, num_labels)
+    scores = np.minimum(p[:, None, :], t[None, :, :]).sum(-1) / sizes[None, :]  # scores[i, j]: guess i, batch j
+    accuracy = float(np.trace(scores) / n)
+    null = float((scores.sum() - np.trace(scores)) / (n * (n - 1)))
+    rng = np.random.default_rng(seed)
+    rows, hits, done = np.arange(n), 0, 0
+    while done < permutations:
+        chunk = min(2000, permutations - done)
+        pairing = rng.permuted(np.tile(rows, (chunk, 1)), axis=1)
+        hits += int((scores[rows, pairing].mean(1) >= accuracy - 1e-12).sum())
+        done += chunk
+    return LabelTest(accuracy, null, (1 + hits) / (1 + permutations), n)

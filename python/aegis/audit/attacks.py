@@ -4,8 +4,9 @@ completion, what the defence exports for a secret sentence) and returns one :cla
 * text attacks (``aegis.attacks``: dager, embedding_norm, mlp_span, spectral, tag): reconstructions
   scored by ROUGE-1/2/L and token recall; null = the same attack on a Gaussian gradient of matched
   per-tensor norms (the clean gradient of client 0's first batch), computed before any defence runs;
-* ``labels`` (``aegis.attacks.labels``, encoder): the batch's label multiset from the head gradient;
-  null = uniform guessing (``label_null``);
+* ``labels`` (``aegis.attacks.labels``, encoder): the batch's label multiset from the head gradient, on
+  fresh exports at B = 1, 2 and 8 (``aegis.audit.label_attack``); null = the same guesses scored against
+  batches they were not made from; leaks only with a permutation p < 0.01 (Bonferroni over the variants);
 * ``fingerprint_pool`` (``aegis.attacks.fingerprint``): which of N candidate batches (every client's
   true batch of the round and decoys from the data) each captured gradient came from; null = 1/N;
 * ``fingerprint_secret``: "my pin is ____" against N same-format values, each trial one defended step
@@ -46,6 +47,7 @@ COST = {
     "round": 1.0,
     "masked": 1.2,
     "oracle": 0.01,
+    "export": 0.01,  # one fresh head export of the label attack
 }
 SECRET_TEMPLATE = "my pin is {}"
 
@@ -246,60 +248,6 @@ class TextAttack(AuditAttack):
         return record, recon
 
 
-class LabelAttack(AuditAttack):
-    name, metric, unit = "labels", "accuracy", "label"
-
-    def applies(self, kind, defence):
-        return kind == "encoder"
-
-    def null(self, ctx, first):
-        from ..attacks.labels import label_null
-
-        return NullBaseline(
-            ctx.kind,
-            self.name,
-            round(label_null(len(ctx.label_ids), len(first.references)), 4),
-            how="uniform guessing of the labels (label_null)",
-        )
-
-    @staticmethod
-    def _gain(model: nn.Module, defence: DefenceSpec) -> float:
-        """An adaptive attacker undoes the flood's known public scale rho on the head (Kerckhoffs)."""
-        if defence.aegis is None:
-            return 1.0
-        from ..attacks.labels import find_head
-        from ..policy import plan
-
-        names = set(find_head(model).weight)
-        rho = next((p.treatment.rho for p in plan(model, defence.aegis) if p.name in names), 1.0)
-        return rho if rho > 0 else 1.0
-
-    def run(self, ctx, defence, targets, models, null, tick):
-        from ..attacks.labels import infer_labels, label_accuracy
-
-        gain = self._gain(ctx.model, defence)
-        accuracies, seconds = [], 0.0
-        for target in targets:
-            t0 = time.perf_counter()
-            pred = infer_labels(models[target.server_round - 1], target.grads, len(target.references), gain=gain)
-            seconds += time.perf_counter() - t0
-            accuracies.append(label_accuracy(pred, target.batch["labels"].tolist()))
-            tick(COST["label"])
-        score = round(sum(accuracies) / len(accuracies), 4) if accuracies else 0.0
-        note = f"gain {gain:g} (the head's public rho)" if gain != 1.0 else ""
-        return AttackRecord(
-            ctx.kind,
-            defence.name,
-            self.name,
-            "accuracy",
-            score,
-            null.score,
-            len(accuracies),
-            round(seconds, 2),
-            note=note,
-        ), []
-
-
 class _Fingerprint(AuditAttack):
     metric = "accuracy"
 
@@ -488,4 +436,8 @@ def make(name: str) -> AuditAttack:
         from .loss_attack import LossOracle
 
         return LossOracle()
-    return {"labels": LabelAttack, "fingerprint_pool": FingerprintPool, "fingerprint_secret": FingerprintSecret}[name]()
+    if name == "labels":
+        from .label_attack import LabelAttack
+
+        return LabelAttack()
+    return {"fingerprint_pool": FingerprintPool, "fingerprint_secret": FingerprintSecret}[name]()

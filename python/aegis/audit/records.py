@@ -78,6 +78,9 @@ class AttackRecord:
     # False when the attack had nothing to read (e.g. no reply carried a loss): the score is then the null by
     # construction, not a measurement, and the row never counts as a leak
     applicable: bool = True
+    # True when the score bounds the attack from above (the defence was approximated in the attacker's favour):
+    # above the bar such a row is suspect, never a leak
+    upper_bound: bool = False
 
     @property
     def privacy(self) -> float:
@@ -101,11 +104,11 @@ class AttackRecord:
     @property
     def leaks(self) -> bool:
         """Above the bar, and (1-of-N attacks) the truth's ranks unlikely under chance."""
-        return self.above_bar and (self.p_value is None or self.p_value < ALPHA)
+        return self.above_bar and not self.upper_bound and (self.p_value is None or self.p_value < ALPHA)
 
     @property
     def suspect(self) -> bool:
-        """Above the bar on too few trials to tell from chance."""
+        """Above the bar on too few trials to tell from chance, or on an upper bound of the attack."""
         return self.above_bar and not self.leaks
 
     def headline(self) -> str:
