@@ -56,7 +56,7 @@ class ExposureTracker:
         self._fresh = fresh  # True while no flooded gradient exists: a forward then starts a new step
         self._salt = secrets.token_bytes(16)
         self._counts: Counter[bytes] = Counter()
-        self._pending: list[Tensor] = []  # token ids of this step's forwards, hashed at mask_() time
+        self._pending: list[_HostCopy] = []  # token ids of this step's forwards, hashed at mask_() time
         self._step_digests: set[bytes] | None = None
         self._paused = 0
         self._handle = embeddings.register_forward_pre_hook(self._record)
@@ -70,12 +70,11 @@ class ExposureTracker:
         if self._fresh():
             # forwards whose gradients were dropped (set_to_none) never left the client
             self._pending, self._step_digests = [], None
-        # kept on the device: a copy to the host here would stall the stream at every forward
-        self._pending.append(ids.detach().reshape(-1, ids.shape[-1]).clone())
+        self._pending.append(_HostCopy(ids.detach().reshape(-1, ids.shape[-1])))
         self._step_digests = None
 
     def _pending_digests(self) -> set[bytes]:
-        return {self._digest(row) for ids in self._pending for row in ids.cpu()}
+        return {self._digest(row) for ids in self._pending for row in ids.wait()}
 
     def _digest(self, row: Tensor) -> bytes:
         if self.pad is not None:
@@ -107,6 +106,27 @@ class ExposureTracker:
 
     def remove(self) -> None:
         self._handle.remove()
+
+
+class _HostCopy:
+    """Token ids on their way to the host. A CUDA tensor is copied asynchronously into pinned memory
+    behind an event, so neither the forward (where the copy is queued) nor ``mask_()`` (long after the
+    copy finished) waits on the stream's later work; a blocking copy at ``mask_()`` would wait for the
+    whole backward and leave the GPU idle while the host queues the flood and the optimizer step."""
+
+    def __init__(self, ids: Tensor):
+        if ids.is_cuda:
+            self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self.host.copy_(ids, non_blocking=True)
+            self.ready: torch.cuda.Event | None = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host, self.ready = ids.clone(), None
+
+    def wait(self) -> Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host
 
 
 class _Pause:
