@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
 import time
@@ -85,10 +86,13 @@ def build(name: str):
 
 def tasks(batch_size: int, n: int, pool: list, filler: list) -> dict[str, list[Candidate]]:
     """task -> N candidate batches (with their labels, for the encoder). Sentence candidates are disjoint
-    chunks of the pool while it lasts, else distinct seeded random draws of B sentences from it."""
+    chunks of the pool while it lasts, else distinct seeded random draws of B sentences from it; no
+    sentence task where the pool has fewer than N distinct batches (B = 1, N = 1000)."""
     known = filler[: batch_size - 1]
     secret = [Candidate((f"my pin is {v}", *(e.text for e in known)), (0, *(LABELS.index(e.label) for e in known)))
               for v in PINS[:n]]
+    if math.comb(len(pool), batch_size) < n:
+        return {"secret": secret}
     if n * batch_size <= len(pool):
         picks = [list(range(i * batch_size, (i + 1) * batch_size)) for i in range(n)]
     else:

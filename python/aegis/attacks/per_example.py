@@ -108,7 +108,7 @@ def per_example_gradients(model: nn.Module, params: Sequence[nn.Parameter], inpu
         for module, role in owners[id(p)]:
             for (key, x, _), delta in zip(flat, deltas):
                 if key == id(module) and delta is not None:
-                    total += _share(module, role, x, delta, examples)
+                    _accumulate(total, module, role, x, delta)
         out.append(total)
     return out
 
@@ -125,26 +125,27 @@ def _example_losses(logits: Tensor, labels: Tensor, examples: int, decoder: bool
     return row.view(examples, -1).sum(1) / count
 
 
-def _share(module: nn.Module, role: str, x: Tensor, delta: Tensor, examples: int) -> Tensor:
-    """The module's ``role`` gradient split by example: positions grouped per example (rows are consecutive)."""
-    e = examples
+def _accumulate(total: Tensor, module: nn.Module, role: str, x: Tensor, delta: Tensor) -> None:
+    """Add the module's ``role`` gradient, split by example, into ``total`` (examples, *shape) in place
+    (no per-call copy of a vocabulary-sized table): positions are grouped per example, rows consecutive."""
+    e = total.shape[0]
     if isinstance(module, nn.Embedding):
         ids = x.expand(delta.shape[:-1]).reshape(e, -1)
         d = delta.reshape(e, -1, delta.shape[-1]).float()
         if module.padding_idx is not None:
             d = d * (ids != module.padding_idx).unsqueeze(-1)
-        vocab = module.weight.shape[0]
-        flat = torch.zeros(e * vocab, d.shape[-1], dtype=torch.float32, device=d.device)
+        vocab = total.shape[1]
         index = (ids + vocab * torch.arange(e, device=ids.device)[:, None]).reshape(-1)
-        flat.index_add_(0, index, d.reshape(-1, d.shape[-1]))
-        return flat.view(e, vocab, -1)
+        total.view(e * vocab, -1).index_add_(0, index, d.reshape(-1, d.shape[-1]))
+        return
     d = delta.reshape(e, -1, delta.shape[-1]).float()
     if role == "bias":
-        return d.sum(1)
+        total += d.sum(1)
+        return
     a = x.reshape(e, -1, x.shape[-1]).float()
     if isinstance(module, nn.Linear):
-        return torch.einsum("eto,eti->eoi", d, a)
-    if isinstance(module, nn.LayerNorm):
-        xhat = F.layer_norm(a, module.normalized_shape, None, None, module.eps)
-        return (d * xhat).sum(1)
-    return torch.einsum("eti,eto->eio", a, d)  # Conv1D: weight is (in, out)
+        total.baddbmm_(d.transpose(1, 2), a)  # sum_t delta_t a_t^T: (e, out, in)
+    elif isinstance(module, nn.LayerNorm):
+        total += (d * F.layer_norm(a, module.normalized_shape, None, None, module.eps)).sum(1)
+    else:  # Conv1D: weight is (in, out)
+        total.baddbmm_(a.transpose(1, 2), d)
