@@ -149,7 +149,7 @@ def test_negative_attack_rounds_is_refused_with_the_fix():
 
 
 def test_label_attack_reads_the_undefended_encoder_head(tmp_path):
-    """The label attack is in the audit's table for the encoder, with its own null (uniform guessing)."""
+    """The label attack is in the audit's table for the encoder, tested against its guesses' own chance level."""
     from aegis.attacks.labels import label_null
 
     result = CliRunner().invoke(
@@ -159,7 +159,7 @@ def test_label_attack_reads_the_undefended_encoder_head(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     [row] = report["results"]
     assert row["attack"] == "labels" and row["metric"] == "accuracy" and row["score"] >= 0.9
-    assert row["null"] == pytest.approx(label_null(4, 2), abs=1e-4) and row["leaks"]
+    assert row["null"] == pytest.approx(label_null(4, 1), abs=0.05) and row["leaks"] and row["p_value"] < 0.01
     [utility] = report["utility"]
     assert utility["metric"] == "accuracy" and utility["chance"] == pytest.approx(0.25)
 
