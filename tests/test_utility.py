@@ -1,0 +1,228 @@
+"""The utility harness's pieces on a tiny model (fast): schedule, client split, batch streams, macro-F1,
+the exposure mirror against the shield, FedSGD / FedAvg runs, the result file, figures and page.
+
+The AEGIS runs here swap the flood's ChaCha normals for a keyed ``torch.randn`` (``fast_noise``): what
+they check (which steps the exposure budget silences) does not depend on the noise stream."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import transformers as T
+
+from aegis.audit.options import UsageError
+from aegis.audit.runner import batch_builder
+from aegis.config import AegisConfig
+from aegis.data import LABELS, Example, load_corpus
+from aegis.defence import Aegis
+from aegis.exposure import ExposurePolicy
+from aegis.models import minilm_tokenizer
+from aegis.utility import Algorithm, UtilityConfig
+from aegis.utility.evaluate import evaluator, macro_f1
+from aegis.utility.federation import ExposureMirror, _round_batches, federate, lr_at
+from aegis.utility.results import merge, statements, summarise
+from aegis.utility.split import BatchStream, dirichlet_split
+from fast_noise import fast_noise  # noqa: F401  (fixture)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return minilm_tokenizer()
+
+
+def tiny_decoder(tok, seed=0):
+    torch.manual_seed(seed)
+    cfg = T.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=64, vocab_size=tok.vocab_size,
+                       pad_token_id=tok.pad_token_id, bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id)
+    model = T.GPT2LMHeadModel(cfg).eval()
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+# -- schedule, split, streams ----------------------------------------------------------------------------------
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    config = UtilityConfig(rounds=100, lr=1e-3, warmup=0.1, min_lr_share=0.1)
+    lrs = [lr_at(r, config) for r in range(1, 101)]
+    assert lrs[:10] == pytest.approx([1e-3 * r / 10 for r in range(1, 11)])
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # non-increasing after the warmup
+    assert lrs[-1] == pytest.approx(1e-4)
+    assert max(lrs) == pytest.approx(1e-3)
+
+
+def test_dirichlet_split_is_disjoint_complete_seeded_and_skewed():
+    train = load_corpus("train")
+    shards = dirichlet_split(train, 8, 0.5, seed=3, min_size=4)
+    assert sorted(id(e) for s in shards for e in s) == sorted(id(e) for e in train)
+    assert min(map(len, shards)) >= 4
+    again = dirichlet_split(train, 8, 0.5, seed=3, min_size=4)
+    assert [[e.text for e in s] for s in shards] == [[e.text for e in s] for s in again]
+    # non-identical: the clients' topic shares differ far beyond what an even split allows
+    shares = [[sum(e.label == lab for e in s) / len(s) for lab in LABELS] for s in shards]
+    assert max(max(row) for row in shares) - min(min(row) for row in shares) > 0.5
+    with pytest.raises(UsageError, match="--clients"):
+        dirichlet_split(train, 100, 0.5, seed=0, min_size=4)
+
+
+def test_batch_stream_epochs_and_fedavg_rounds_use_distinct_examples():
+    shard = [Example(f"sentence {i}", "chat") for i in range(10)]
+    stream = BatchStream(shard, 3, seed=1)
+    assert stream.per_epoch == 3
+    for epoch in range(3):
+        seen = [e.text for i in range(3) for e in stream.batch(epoch * 3 + i)]
+        assert len(set(seen)) == 9
+    for r in range(1, 7):  # E = 3 distinct batches per round, one local epoch each
+        texts = [e.text for i in _round_batches(stream, r, 3) for e in stream.batch(i)]
+        assert len(set(texts)) == 9
+
+
+def test_macro_f1_by_hand():
+    truth = torch.tensor([0, 0, 1, 1, 2])
+    pred = torch.tensor([0, 1, 1, 1, 0])
+    # class 0: tp 1 fp 1 fn 1 -> 0.5; class 1: tp 2 fp 1 fn 0 -> 0.8; class 2: tp 0 fn 1 -> 0
+    assert macro_f1(pred, truth, 4) == pytest.approx((0.5 + 0.8 + 0.0) / 3)
+    assert macro_f1(truth, truth, 3) == 1.0
+
+
+def test_config_errors_name_the_option():
+    with pytest.raises(UsageError, match="--defences"):
+        UtilityConfig(defences=("aegis-best",))
+    with pytest.raises(UsageError, match="--attack-clients"):
+        UtilityConfig(clients=2, attack_clients=3)
+    with pytest.raises(ValueError):
+        UtilityConfig(algorithms=("fedprox",))
+    assert UtilityConfig(rounds=300).attacked_rounds() == (1, 150, 300)
+    assert UtilityConfig.quick().attacked_rounds() == (1, 2, 3)
+
+
+# -- exposure ---------------------------------------------------------------------------------------------------
+
+
+def test_exposure_mirror_predicts_exactly_the_steps_the_shield_refuses(tok, fast_noise):
+    """The mirror is the harness's count of silenced steps: it must agree with the shield's own rule."""
+    model = tiny_decoder(tok)
+    build = batch_builder("decoder", tok, {})
+    shield = Aegis(AegisConfig(preset="paper", exposure=ExposurePolicy.REFUSE)).attach(model)
+    mirror = ExposureMirror(shield.config.exposures)
+    stream = BatchStream([Example(f"note number {i} for the clinic") for i in range(6)], 2, seed=0)
+    outcomes = []
+    for i in range(15):  # 5 epochs of 3 batches: the budget of 4 runs out in epoch 5
+        batch = build(stream.batch(i))
+        predicted = mirror.step(batch)
+        for p in model.parameters():
+            p.grad = None
+        shield.backward(batch)
+        try:
+            shield.defend_()
+            refused = False
+        except RuntimeError as err:
+            assert "exposure budget" in str(err)
+            refused = True
+        outcomes.append((predicted, refused))
+    assert [p for p, _ in outcomes] == [r for _, r in outcomes]
+    assert [p for p, _ in outcomes] == [False] * 12 + [True] * 3
+
+
+# -- runs -------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tok):
+    train = load_corpus("train")[:48]
+    validation = load_corpus("validation")[:16]
+    build = batch_builder("decoder", tok, {})
+    shards = dirichlet_split(train, 2, 1.0, seed=0, min_size=4)
+    return tiny_decoder(tok), build, shards, evaluator("decoder", build, validation, len(LABELS))
+
+
+@pytest.mark.parametrize("algorithm", [Algorithm.FEDSGD, Algorithm.FEDAVG])
+def test_undefended_run_learns_and_keeps_the_promised_points(tiny_setup, algorithm):
+    model, build, shards, evaluate = tiny_setup
+    config = UtilityConfig(clients=2, rounds=4, batch_size=4, local_steps=2, eval_every=2, lr=3e-2, warmup=0.0,
+                           attack_clients=1)
+    log = federate(model, "none", shards, build, evaluate, algorithm, config, torch.device("cpu"))
+    assert [p["round"] for p in log.curve] == [0, 2, 4]
+    assert log.curve[-1]["perplexity"] < 0.8 * log.curve[0]["perplexity"]
+    assert sorted(log.models) == [1, 2, 4] and {c.round for c in log.captures} == {1, 2, 4}
+    assert all(c.client == 0 for c in log.captures)
+    steps = 1 if algorithm is Algorithm.FEDSGD else 2
+    assert all(len(c.examples) == 4 * steps for c in log.captures)
+    assert log.steps == 2 * 4 * steps and log.silenced_steps == 0
+
+
+def test_aegis_utility_silences_every_export_after_one_epoch(tiny_setup, fast_noise):
+    """Budget 1: each client's second pass over its data is silenced, and the run reports it exactly."""
+    model, build, _, evaluate = tiny_setup
+    shards = dirichlet_split(load_corpus("train")[:24], 2, 1.0, seed=0, min_size=4)
+    config = UtilityConfig(clients=2, rounds=5, batch_size=4, eval_every=5, lr=1e-2, attack_clients=0)
+    log = federate(model, "aegis-utility", shards, build, evaluate, Algorithm.FEDSGD, config, torch.device("cpu"))
+    epochs = [len(s) // 4 for s in shards]
+    expected = sum(max(0, 5 - e) for e in epochs)
+    assert expected > 0
+    assert log.silenced_steps == log.silenced_exports == expected
+    assert log.exports == 10 and log.captures == []
+
+
+# -- results, figures, page ---------------------------------------------------------------------------------------
+
+
+def _result(defences=("none", "aegis-utility"), ppl=(100.0, 104.0), settings=None):
+    runs = []
+    for d, value in zip(defences, ppl):
+        runs.append({
+            "model": "decoder", "algorithm": "fedsgd", "defence": d, "metric": "perplexity",
+            "curve": [{"round": 0, "perplexity": 500.0}, {"round": 2, "perplexity": value}],
+            "final": {"round": 2, "perplexity": value}, "silenced_export_share": 0.25 if d != "none" else 0.0,
+            "epsilon": None, "seconds_per_round": 1.0,
+            "attacks": [{"attack": "dager", "round": 1, "score": 0.9 if d == "none" else 0.0, "null": 0.0,
+                         "privacy": 0.9 if d == "none" else 0.0, "excess": 0.85 if d == "none" else -0.05,
+                         "above_bar": d == "none", "leaks": d == "none"},
+                        {"attack": "labels", "skipped": "encoder only"}],
+        })
+    settings = settings or UtilityConfig(rounds=2, clients=2).as_dict()
+    result = {"settings": settings, "runs": runs, "machine": {"device": "cpu"}, "attacked_rounds": [1, 2],
+              "data": {"validation_used": 16}, "nulls": [],
+              "references": [{"model": "decoder", "metric": "perplexity", "untrained": {"perplexity": 500.0}}]}
+    result["summary"] = summarise(result)
+    result["statements"] = statements(result["summary"], runs)
+    return result
+
+
+def test_summary_applies_the_bar():
+    rows = {s["defence"]: s for s in _result(ppl=(100.0, 104.0))["summary"]}
+    assert rows["aegis-utility"]["meets_utility"] and rows["aegis-utility"]["meets_privacy"]
+    assert rows["aegis-utility"]["meets_both"] and not rows["none"]["meets_privacy"]
+    assert rows["aegis-utility"]["ratio"] == pytest.approx(1.04)
+    worse = {s["defence"]: s for s in _result(ppl=(100.0, 106.0))["summary"]}
+    assert not worse["aegis-utility"]["meets_utility"]
+    line = _result(ppl=(100.0, 106.0))["statements"][0]
+    assert "meets it: none" in line and "aegis-utility (utility 1.06x undefended)" in line
+
+
+def test_merge_replaces_runs_and_refuses_other_settings():
+    old = _result()
+    new = _result(defences=("aegis-utility",), ppl=(120.0,))
+    merged = merge(old, new)
+    assert [(r["defence"], r["final"]["perplexity"]) for r in merged["runs"]] == [("none", 100.0),
+                                                                                ("aegis-utility", 120.0)]
+    other = _result(settings=UtilityConfig(rounds=4, clients=2).as_dict())
+    with pytest.raises(ValueError, match="rounds"):
+        merge(old, other)
+
+
+def test_figures_and_page_are_written(tmp_path):
+    from aegis.audit.report import ReportWriter
+
+    result = _result()
+    paths = ReportWriter(tmp_path).finish_utility(result)
+    assert [p.name for p in paths] == ["report.json", "learning_curves.png", "frontier.png", "report.html"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    assert json.loads(paths[0].read_text())["utility"]["runs"][0]["defence"] == "none"
+    page = paths[3].read_text()
+    assert "learning_curves.png" in page and "frontier.png" in page and "25%" in page
+    assert result["statements"][0].split(":")[0] in page
+    assert not math.isnan(result["summary"][1]["ratio"])
