@@ -21,7 +21,7 @@ import torch
 
 from aegis.audit.options import UsageError
 from aegis.utility import DEFENCES, MODELS, UtilityConfig
-from aegis.utility.study import study
+from aegis.utility.study import previous, study
 
 
 def names(value: str) -> tuple[str, ...]:
@@ -47,6 +47,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--out", default="utility-report", help="output folder (created if missing)")
     p.add_argument("--append", action="store_true", help="merge into the study already in --out")
+    p.add_argument("--redraw", action="store_true", help="only redraw the figures and page from --out/report.json")
     return p.parse_args(argv)
 
 
@@ -68,6 +69,17 @@ def config_from(args: argparse.Namespace) -> UtilityConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.redraw:  # e.g. after a call that ran out of time: report.json holds every finished run
+        from pathlib import Path
+
+        from aegis.audit.report import ReportWriter
+
+        result = previous(Path(args.out))
+        if result is None:
+            print(f"error: --redraw: no report.json in {args.out}", file=sys.stderr)
+            return 2
+        print(f"wrote {', '.join(map(str, ReportWriter(Path(args.out)).finish_utility(result)))}")
+        return 0
     try:
         config = config_from(args)
         if args.device == "cuda" and not torch.cuda.is_available():

@@ -55,7 +55,9 @@ class UtilityConfig:
     warmup: float = 0.05  # share of the rounds spent warming up
     min_lr_share: float = 0.1  # the cosine ends at this share of the peak
     dirichlet_alpha: float = 0.5  # topic skew of the client split (smaller: more skewed)
-    attack_clients: int = 1  # clients whose exports the server attacks at the first, middle and last round
+    # clients whose exports the server attacks at the first, middle and last round (each one a trial of
+    # the 1-of-N fingerprint, whose verdict needs several)
+    attack_clients: int = 4
     attacks: tuple[str, ...] | None = None  # None: every attack this machine can run (see privacy.py)
     candidates: int = 40  # N of the 1-of-N fingerprint attack
     max_eval: int = 80  # validation sentences (held out, never trained on)
@@ -68,6 +70,7 @@ class UtilityConfig:
         """The 2-CPU-core variant (<= 3 min): the same structure, small numbers."""
         base = dict(
             clients=2, rounds=3, batch_size=2, local_steps=2, eval_every=1, lr=1e-3, candidates=8, max_eval=32,
+            attack_clients=2,
             attacks=("dager", "embedding_norm", "labels", "fingerprint_pool"),
         )
         return UtilityConfig(**{**base, **changes})

@@ -34,6 +34,13 @@ def _settings(result: dict) -> str:
     )
 
 
+def _note(a: dict) -> str:
+    note = a.get("note", "")
+    if a.get("p_value") is not None:
+        note = f"p {a['p_value']:.2g} over {a['gradients']} trials" + ("; " + note if note else "")
+    return note
+
+
 def utility_html(result: dict, curves: str | None, frontier: str | None) -> str:
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>AEGIS utility</title><style>{_CSS}</style>"
@@ -82,7 +89,7 @@ def utility_html(result: dict, curves: str | None, frontier: str | None) -> str:
             parts.append(
                 f"{head}<td>{_e(a['attack'])}</td><td class='n'>{a['round']}</td>"
                 f"<td class='n'><span class='{cls}'>{a['score']:.3f}</span></td>{_num(a['null'])}"
-                f"{_num(a.get('token_recall'))}{_num(a['excess'])}<td>{_e(a.get('note', ''))}</td></tr>"
+                f"{_num(a.get('token_recall'))}{_num(a['excess'])}<td>{_e(_note(a))}</td></tr>"
             )
     parts.append("</table></body></html>")
     return "\n".join(parts)

@@ -58,6 +58,9 @@ def summarise(result: dict) -> list[dict]:
                 "worst_attack": None if worst is None else f"{worst['attack']} round {worst['round']}",
                 "worst_excess": None if worst is None else worst["excess"],
                 "worst_score": None if worst is None else worst["privacy"],
+                # 1-of-N attacks rest on few trials: the rank-sum p-value says whether the excess is chance
+                "worst_p_value": None if worst is None else worst.get("p_value"),
+                "significant_leak": any(a["leaks"] for a in scored),
                 "attacks_scored": len(scored),
                 "meets_privacy": bool(scored) and not any(a["above_bar"] for a in scored),
                 "silenced_export_share": run["silenced_export_share"],
