@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from ..audit.records import MARGIN
+from ..audit.report import _dodge, _shift
 from .results import ACC_BAR, PPL_BAR
 
 COLOURS = ("#000000", "#1f77b4", "#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
@@ -44,7 +45,7 @@ def learning_curves(result: dict, path: Path) -> None:
         return
     style = _styles(result)
     untrained = {r["model"]: r["untrained"][r["metric"]] for r in result["references"]}
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(8.4 * len(panels), 4.8), squeeze=False)
     for ax, (model, algorithm) in zip(axes[0], panels):
         runs = [r for r in result["runs"] if (r["model"], r["algorithm"]) == (model, algorithm) and "curve" in r]
         if not runs:
@@ -58,7 +59,9 @@ def learning_curves(result: dict, path: Path) -> None:
             share = run.get("silenced_export_share") or 0.0
             if share:
                 label += f" ({share:.0%} silenced)"
-            ax.plot(xs, ys, color=colour, marker=marker, markersize=4, linewidth=1.4, label=label)
+            undefended = run["defence"] == "none"  # drawn wide and underneath: a defence equal to it stays visible
+            ax.plot(xs, ys, color=colour, marker=marker, markersize=4, linewidth=3.0 if undefended else 1.4,
+                    alpha=0.45 if undefended else 1.0, zorder=1 if undefended else 2, label=label)
         if model in untrained:
             ax.axhline(untrained[model], color="0.4", linestyle=":", linewidth=1.2, label="untrained")
         none = next((r for r in runs if r["defence"] == "none"), None)
@@ -75,7 +78,7 @@ def learning_curves(result: dict, path: Path) -> None:
         ax.set_xlabel("round")
         ax.set_title(f"{model} · {algorithm}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -92,17 +95,21 @@ def frontier(result: dict, path: Path) -> None:
         return
     style = _styles(result)
     summary = result.get("summary", [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(8.4 * len(panels), 4.8), squeeze=False)
     for ax, (model, algorithm) in zip(axes[0], panels):
         rows = [s for s in summary if (s["model"], s["algorithm"]) == (model, algorithm)]
         if not rows:
             continue
         metric = rows[0]["metric"]
-        for s in rows:
-            if s["final"] is None or s["worst_excess"] is None or not math.isfinite(s["final"]):
-                continue
+        shown = [s for s in rows if s["final"] is not None and s["worst_excess"] is not None
+                 and math.isfinite(s["final"])]
+        points = [(s["final"], max(0.0, s["worst_excess"])) for s in shown]
+        log_x = metric == "perplexity"
+        xs = [x for x, _ in points] + [v for v in (rows[0]["undefended"], rows[0]["untrained"]) if v]
+        span = (min(xs), max(xs)) if xs else (0.0, 1.0)
+        for s, (x, y), dx in zip(shown, points, _dodge(points, log_x, span)):
             colour, marker = style[s["defence"]]
-            ax.scatter(s["final"], max(0.0, s["worst_excess"]), color=colour, marker=marker, s=90,
+            ax.scatter(_shift(x, dx, log_x, span), y, color=colour, marker=marker, s=170 if marker == "*" else 90,
                        edgecolors="red" if not s["meets_privacy"] else "white", linewidths=1.5,
                        label=s["defence"] + ("  meets both bars" if s["meets_both"] else ""), zorder=3)
         ax.axhline(MARGIN, color="tab:red", linestyle="--", linewidth=1, label=f"privacy bar (null + {MARGIN})")
@@ -119,9 +126,10 @@ def frontier(result: dict, path: Path) -> None:
             ax.set_xlabel("final validation accuracy (higher is better)")
         ax.set_ylabel("worst attack: excess over its null baseline\n(any attacked round; lower is more private)")
         ax.set_ylim(-0.05, 1.05)
-        ax.set_title(f"{model} · {algorithm}: privacy-utility frontier")
+        ax.set_title(f"{model} · {algorithm}: privacy-utility frontier\n(markers at one place are set side by side)",
+                     fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
