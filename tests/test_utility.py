@@ -226,3 +226,14 @@ def test_figures_and_page_are_written(tmp_path):
     assert "learning_curves.png" in page and "frontier.png" in page and "25%" in page
     assert result["statements"][0].split(":")[0] in page
     assert not math.isnan(result["summary"][1]["ratio"])
+
+
+def test_cli_refuses_bad_options_in_one_line():
+    from typer.testing import CliRunner
+
+    from aegis.cli import app
+
+    for args, option in ((["--device", "gpu"], "--device"), (["--algorithms", "fedprox"], "--algorithms"),
+                         (["--clients", "0"], "--clients"), (["--defences", "aegis-best"], "--defences")):
+        out = CliRunner().invoke(app, ["utility", *args])
+        assert out.exit_code == 2 and f"error: {option}" in out.output, out.output
