@@ -401,6 +401,10 @@ def utility(
         if debug:
             raise
         raise _fail(str(err)) from None
+    if device == "cpu":
+        import torch
+
+        torch.set_num_threads(_default_threads())
     console = Console()
     try:
         result, paths = study(config, device, out, append=append, say=lambda line: click.echo(line, err=True))
