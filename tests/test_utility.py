@@ -237,3 +237,28 @@ def test_cli_refuses_bad_options_in_one_line():
                          (["--clients", "0"], "--clients"), (["--defences", "aegis-best"], "--defences")):
         out = CliRunner().invoke(app, ["utility", *args])
         assert out.exit_code == 2 and f"error: {option}" in out.output, out.output
+
+
+# -- calibrate ----------------------------------------------------------------------------------------------------
+
+
+def test_calibrate_grid_configs_and_frontier(tok):
+    from aegis.policy import plan
+    from aegis.utility.calibrate import MlpMode, frontier, grid
+
+    cands = grid((0.02, 0.04), (None, 0.01))
+    assert [(c.rows_snr, c.mlp, c.mlp_snr) for c in cands] == [
+        (0.02, MlpMode.FROZEN, 0.0), (0.02, MlpMode.FLOOD, 0.01),
+        (0.04, MlpMode.FROZEN, 0.0), (0.04, MlpMode.FLOOD, 0.01),
+    ]
+    with pytest.raises(UsageError, match="--rows-snr"):
+        grid((0.0,), (None,))
+    treatments = {p.role: p.treatment for p in plan(tiny_decoder(tok), cands[1].config(exposures=2))}
+    assert treatments["token_embedding"].snr == 0.02 and treatments["token_embedding"].kind == "rows"
+    assert treatments["mlp"].kind == "matrix" and treatments["mlp"].snr == 0.01 and treatments["mlp"].rho == 1.0
+    assert treatments["attention"].kind == "frozen" and treatments["norm"].kind == "frozen"
+    assert cands[0].config(exposures=2).exposures == 2
+    rows = [{"final": 10.0, "privacy": 0.5}, {"final": 12.0, "privacy": 0.1}, {"final": 13.0, "privacy": 0.2},
+            {"final": 10.0, "privacy": 0.6}]
+    frontier(rows, "perplexity")
+    assert [r["frontier"] for r in rows] == [True, True, False, False]

@@ -415,6 +415,70 @@ def utility(
     console.print(f"wrote {', '.join(str(p) for p in paths)} in {result['wall_seconds']:.0f} s")
 
 
+@app.command(cls=_Command)
+def calibrate(
+    model: str = typer.Option("decoder", show_default=False, help="decoder (default) or encoder"),
+    rows_snr: str = typer.Option("0.01,0.02,0.04,0.08", "--rows-snr", help="SNR caps of the rows floods to try"),
+    mlp_snr: str = typer.Option("frozen,0.02", "--mlp-snr", help="MLP choices: frozen and/or matrix-flood SNR caps"),
+    rounds: int = typer.Option(20, help="FedSGD rounds of each candidate's utility run (default 20)"),
+    clients: int = typer.Option(8, help="clients (default 8)"),
+    trials: int = typer.Option(8, help="secret-verification trials per candidate (default 8)"),
+    candidates: int = typer.Option(40, help="N of the 1-of-N verification (default 40)"),
+    exposures: int = typer.Option(1, help="exposure budget each candidate is measured at (default 1)"),
+    device: str = typer.Option("cpu", show_default=False, help="cpu (default) or cuda"),
+    out: str | None = typer.Option(None, help="also write calibrate.json into this folder"),
+) -> None:
+    """Search per-role SNR caps for a model on the shipped data; print the privacy-utility frontier."""
+    import json
+
+    from aegis.audit.options import UsageError, check_out
+    from aegis.utility.calibrate import calibrate as run_calibration
+    from aegis.utility.calibrate import grid
+
+    try:
+        if model not in ("decoder", "encoder"):
+            raise UsageError("--model", f"unknown {model!r}; choose from decoder, encoder")
+        if device not in ("cpu", "cuda"):
+            raise UsageError("--device", f"unknown {device!r}; choose from cpu, cuda")
+        try:
+            rows = tuple(float(v) for v in rows_snr.split(","))
+            mlp = tuple(None if v.strip() == "frozen" else float(v) for v in mlp_snr.split(","))
+        except ValueError:
+            raise UsageError("--rows-snr/--mlp-snr", "use comma-separated numbers (and 'frozen' for the MLP)") from None
+        cands = grid(rows, mlp)
+        for option, value, low in (("--rounds", rounds, 1), ("--clients", clients, 1), ("--trials", trials, 1),
+                                   ("--candidates", candidates, 2), ("--exposures", exposures, 1)):
+            if value < low:
+                raise UsageError(option, f"{value}: use a whole number of at least {low}")
+        folder = check_out(out) if out is not None else None
+    except UsageError as err:
+        raise _fail(str(err)) from None
+    if device == "cpu":
+        import torch
+
+        torch.set_num_threads(_default_threads())
+    result = run_calibration(cands, model, rounds=rounds, clients=clients, trials=trials, n=candidates,
+                             exposures=exposures, device=device, say=lambda line: click.echo(line, err=True))
+    console = Console()
+    metric = result["metric"]
+    table = Table(title=f"{model}: candidates after {rounds} FedSGD rounds (undefended {metric} "
+                  f"{result['undefended']:.4g}, untrained {result['untrained']:.4g}; verification null "
+                  f"{1 / candidates:.3f})", box=box.SIMPLE_HEAD, title_justify="left")
+    for column in ("candidate", metric, "x undefended", "verification acc", "p", "bar", "frontier"):
+        table.add_column(column, no_wrap=column != "candidate")
+    for r in result["rows"]:
+        bar = "[green]both[/green]" if r["meets_utility"] and r["meets_privacy"] else (
+            "[yellow]privacy only[/yellow]" if r["meets_privacy"] else "[red]utility only[/red]"
+            if r["meets_utility"] else "[red]neither[/red]")
+        p = "–" if r["p_value"] is None else f"{r['p_value']:.2g}"
+        table.add_row(r["name"], f"{r['final']:.4g}", f"{r['ratio']:.3f}", f"{r['privacy']:.3f}", p, bar,
+                      "*" if r["frontier"] else "")
+    console.print(table)
+    if folder is not None:
+        (folder / "calibrate.json").write_text(json.dumps(result, indent=1))
+        console.print(f"wrote {folder / 'calibrate.json'}")
+
+
 ABBREVIATIONS = {
     "embedding_norm": "emb",
     "mlp_span": "mlp",

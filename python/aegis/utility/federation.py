@@ -38,8 +38,10 @@ def lr_at(round_: int, config: UtilityConfig) -> float:
     return config.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_defence(name: str) -> Defence:
-    """One client's defence. AEGIS keeps its preset's exposure budget and silences over-budget steps."""
+def make_defence(name: str | AegisConfig) -> Defence:
+    """One client's defence. AEGIS keeps its exposure budget and silences over-budget steps."""
+    if isinstance(name, AegisConfig):  # a candidate configuration (aegis calibrate)
+        return Aegis(name.replace(exposure=ExposurePolicy.SILENCE))
     if name.startswith("aegis-"):
         return Aegis(AegisConfig(preset=name.partition("-")[2], exposure=ExposurePolicy.SILENCE))
     from ..baselines import make_defence as baseline
@@ -121,7 +123,7 @@ def _cpu_copy(model: nn.Module) -> nn.Module:
 
 def federate(
     model: nn.Module,
-    defence: str,
+    defence: str | AegisConfig,
     shards: list[list[Example]],
     build: Build,
     evaluate: Callable[[nn.Module], dict[str, float]],
