@@ -37,7 +37,7 @@ from aegis.attacks import mlp_span, shared_gradient, spectral  # noqa: E402
 from aegis.attacks.repeated import averaged_export  # noqa: E402
 from aegis.data import load_corpus  # noqa: E402
 from aegis.metrics import null_baseline, rouge  # noqa: E402
-from aegis.models import default_decoder  # noqa: E402
+from aegis.models import DecoderArch, default_decoder  # noqa: E402
 
 LAMS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0)
 QUICK_LAMS = (0.0, 0.5, 1.0, 2.0, 4.0)
@@ -79,7 +79,7 @@ def _point(model, tok, config, texts, batch_size, seed, exposures=1) -> dict:
 
 
 def run(lams, exposures, batches: int, batch_size: int, seed: int, n_layer: int) -> dict:
-    model, tok = default_decoder(n_layer=n_layer)
+    model, tok = default_decoder(arch=DecoderArch.GPT2, n_layer=n_layer)
     corpus = [e.text for e in load_corpus("validation")]
     texts = [corpus[i * batch_size : (i + 1) * batch_size] for i in range(batches)]
     keys = ("rouge1", "rouge2", "null_rouge1")
@@ -183,7 +183,7 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     out = run(lams, EXPOSURES, batches, args.batch_size, args.seed, n_layer)
     result = {
-        "model": f"aegis.models.default_decoder(n_layer={n_layer})",
+        "model": f"aegis.models.default_decoder(arch='gpt2', n_layer={n_layer})",
         "n_layer": n_layer,
         "data": "aegis.data corpus, validation split, in file order",
         "preset": "paper, mlp overridden to matrix flood (lam, rho); presets paper and utility as points",

@@ -28,6 +28,8 @@ FAMILIES = {
     "gemma": _decoder(T.GemmaConfig, T.GemmaForCausalLM, num_key_value_heads=1, head_dim=16, **_LAYERS),
     "phi": _decoder(T.PhiConfig, T.PhiForCausalLM, **_LAYERS),
     "bert-cls": _decoder(T.BertConfig, T.BertForSequenceClassification, max_position_embeddings=64, **_LAYERS),
+    # BERT run causally with its MLM head (the default decoder's family): a vocabulary bias of V entries
+    "bert-causal": _decoder(T.BertConfig, T.BertLMHeadModel, is_decoder=True, max_position_embeddings=64, **_LAYERS),
     "roberta-cls": _decoder(T.RobertaConfig, T.RobertaForSequenceClassification, max_position_embeddings=64, **_LAYERS),
     "gpt2-cls": _decoder(T.GPT2Config, T.GPT2ForSequenceClassification, n_layer=1, n_embd=32, n_head=2, n_positions=64),
     "llama-cls": _decoder(T.LlamaConfig, T.LlamaForSequenceClassification, **_LAYERS),

@@ -1,5 +1,6 @@
 """DAGER and the shared span machinery (attacks.md §1): exact recovery undefended, nothing through closed
-channels. Batches are the shipped corpus' validation sentences (6-29 tokens each), in file order."""
+channels. Batches are the shipped corpus' validation sentences (6-29 tokens each), in file order. "decoder"
+is the default (MiniLM's pretrained layers run causally); GPT-2 internals are tested on arch="gpt2"."""
 import math
 import time
 
@@ -101,8 +102,13 @@ def test_acceptance_rules():
     assert Threshold(1e-3).consistent([1e-6], 0.5)
 
 
-def test_gradient_matrix_orientation_and_closed_channels(decoder):
-    model, _ = decoder
+@pytest.fixture(scope="module")
+def gpt2():
+    return default_decoder(arch="gpt2")
+
+
+def test_gradient_matrix_orientation_and_closed_channels(gpt2):
+    model, _ = gpt2
     name = "transformer.h.0.attn.c_attn"
     g = torch.randn(384, 1152)
     assert gradient_matrix(model, {f"{name}.weight": g}, name).shape == (1152, 384)  # Conv1D stores (in, out)
@@ -113,8 +119,8 @@ def test_gradient_matrix_orientation_and_closed_channels(decoder):
     assert input_projections(model, "mlp")[0] == ["transformer.h.0.mlp.c_fc"]
 
 
-def test_layer_inputs_are_exactly_what_the_model_computes(decoder):
-    model, tok = decoder
+def test_layer_inputs_are_exactly_what_the_model_computes(gpt2):
+    model, tok = gpt2
     tr = model.transformer
     ids = torch.tensor(tok(["the rent is late again"])["input_ids"])
     with torch.no_grad():
@@ -125,6 +131,27 @@ def test_layer_inputs_are_exactly_what_the_model_computes(decoder):
     assert not position_free(model, "transformer.h.0.attn.c_attn")
     llama, _ = default_decoder(arch="llama", n_layer=1)
     assert position_free(llama, "model.layers.0.self_attn.q_proj")  # RoPE rotates after the projection
+
+
+def test_the_default_decoders_layer_inputs_are_bert_embeddings_run_causally(decoder):
+    """Block 1 reads LayerNorm(word + position + token type 0); block 2 reads block 1's causal output."""
+    model, tok = decoder
+    emb = model.bert.embeddings
+    query = "bert.encoder.layer.{}.attention.self.query"
+    qkv = [f"bert.encoder.layer.0.attention.self.{m}" for m in ("query", "key", "value")]
+    assert input_projections(model, "attention")[0] == qkv
+    assert input_projections(model, "mlp")[1] == ["bert.encoder.layer.1.intermediate.dense"]
+    ids = torch.tensor(tok(["the rent is late again"])["input_ids"])
+    with torch.no_grad():
+        at5 = token_inputs(model, query.format(0), 5)
+        typed = emb.word_embeddings.weight + emb.position_embeddings.weight[5] + emb.token_type_embeddings.weight[0]
+        torch.testing.assert_close(at5, emb.LayerNorm(typed))
+        hidden = model(ids, output_hidden_states=True).hidden_states[1]
+        torch.testing.assert_close(module_input(model, query.format(1), ids), hidden)
+        # causal: block 2's input at position t does not change with the tokens after t
+        longer = torch.cat([ids[:, :-1], torch.tensor([[2000, 3000, ids[0, -1]]])], dim=1)
+        torch.testing.assert_close(module_input(model, query.format(1), longer)[:, : ids.shape[1] - 1], hidden[:, :-1])
+    assert not position_free(model, query.format(0))
 
 
 def test_prefix_search_and_assembly():
@@ -156,8 +183,8 @@ def test_layer_spans_of_shared_gradient(decoder):
     grads = shared_gradient(model, [e.text for e in batch(1)], tok)
     (s1, p1), (s2, p2) = layer_spans(model, grads, "attention", (0, 1))
     n_tokens = len(tok(batch(1)[0].text)["input_ids"]) - 1  # the last token has no gradient (no label)
-    assert s1.rank == n_tokens and s2.rank == n_tokens and p2 == "transformer.h.1.attn.c_attn"
-    assert layer_spans(model, {}, "attention", (0,)) == [(None, "transformer.h.0.attn.c_attn")]
+    assert s1.rank == n_tokens and s2.rank == n_tokens and p2 == "bert.encoder.layer.1.attention.self.query"
+    assert layer_spans(model, {}, "attention", (0,)) == [(None, "bert.encoder.layer.0.attention.self.query")]
 
 
 # -- DAGER, undefended ----------------------------------------------------------------------------------
@@ -191,10 +218,12 @@ def test_dager_closed_channels_return_nothing(decoder):
     model, tok = decoder
     texts = [e.text for e in batch(2)]
     grads = shared_gradient(model, texts, tok)
-    attention = [n for n in grads if ".attn.c_attn.weight" in n]
+    attention = [f"{n}.weight" for names in input_projections(model, "attention").values() for n in names]
+    assert len(attention) == 6 * 3 and set(attention) <= set(grads)
     assert dager(model, {k: v for k, v in grads.items() if k not in attention}, tok, 2) == []
     assert dager(model, {**grads, **{n: torch.zeros_like(grads[n]) for n in attention}}, tok, 2) == []
-    assert dager(model, {**grads, attention[1]: torch.full_like(grads[attention[1]], math.nan)}, tok, 2) == []
+    block2 = {n: torch.full_like(grads[n], math.nan) for n in attention if ".layer.1." in n}
+    assert dager(model, {**grads, **block2}, tok, 2) == []
     assert dager(model, {}, tok, 2) == []
 
 
@@ -235,8 +264,16 @@ def test_dager_default_decoder_more_batches(decoder, size, index):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("size", [1, 4])
+def test_dager_random_attention_gpt2(gpt2, size):
+    for index in range(3):
+        scores = attack_score(*gpt2, batch(size, index))
+        assert scores["rouge1"] >= 0.95 and scores["rouge2"] >= 0.90
+
+
+@pytest.mark.slow
 def test_dager_gpt2_small_sized_b8():
-    model, tok = default_decoder(n_layer=12, n_embd=768, n_head=12)
+    model, tok = default_decoder(arch="gpt2", n_layer=12, n_embd=768, n_head=12)
     for index in range(2):
         scores = attack_score(model, tok, batch(8, index))
         assert scores["rouge1"] >= 0.95 and scores["rouge2"] >= 0.90

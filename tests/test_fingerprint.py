@@ -44,7 +44,7 @@ SENTENCES = [[t] for t in POOL]
 
 @pytest.fixture(scope="module")
 def decoder():
-    return default_decoder(n_layer=1)
+    return default_decoder(arch="gpt2", n_layer=1)
 
 
 def config(calibration, seed=0, **kw):

@@ -1,4 +1,5 @@
-"""Role detection: no covered family falls to the weak 'other' flood; LoRA on embeddings; strict errors."""
+"""Role detection: no covered family falls to the weak 'other' flood; vocabulary vectors; LoRA on embeddings;
+strict errors."""
 import re
 import warnings
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+import aegis
 from aegis.config import PAPER, ROLES, AegisConfig
-from aegis.policy import LORA_EMBEDDING_ROLE, plan
+from aegis.models import default_decoder
+from aegis.policy import LORA_EMBEDDING_ROLE, plan, rows_view
 from families import POLICY_FAMILIES, VOCAB, build
 
 # The parameters an attacker found in 'other', and their roles now.
@@ -59,9 +62,60 @@ def test_no_trainable_parameter_of_a_covered_family_is_other(family):
     assert list(roles.values()).count("token_embedding") == 1
     for name, role in EXPECTED.get(family, {}).items():
         assert roles[name] == role, name
-    for p in plans:  # only tables indexed by token or label ids flood along an axis
+    for p in plans:  # only tables indexed by token or label ids (and vocabulary vectors) flood along an axis
         indexed = p.role in ("token_embedding", "position_embedding", "lm_head", "head") and p.param.dim() == 2
-        assert p.rows_axis == (0 if indexed else None), p.name
+        assert p.rows_axis == (0 if indexed or (p.role == "lm_head" and p.param.dim() == 1) else None), p.name
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    bias = getattr(head, "bias", None)
+    for name, param in model.named_parameters():  # an output bias is indexed by token id: never 'bias'
+        if param is bias:
+            assert roles[name] == "lm_head", name
+
+
+def test_the_default_decoder_roles_and_what_each_preset_trains():
+    model, _ = default_decoder()
+    plans = {p.name: p for p in plan(model, AegisConfig(preset="paper"))}
+    roles = {n: p.role for n, p in plans.items()}
+    rows = {
+        "bert.embeddings.word_embeddings.weight": "token_embedding",
+        "bert.embeddings.position_embeddings.weight": "position_embedding",
+        "bert.embeddings.token_type_embeddings.weight": "position_embedding",  # embedding rows of type ids
+        "cls.predictions.bias": "lm_head",  # the tied head's vocabulary bias
+    }
+    for name, role in rows.items():
+        assert roles[name] == role and plans[name].rows_axis == 0, name
+        assert plans[name].treatment == PAPER[role] and plans[name].treatment.kind == "rows"
+    for name, role in roles.items():
+        if name in rows:
+            continue
+        block = re.match(r"bert\.(?:embeddings|encoder\.layer\.\d+)\.(.+)\.(weight|bias)$", name)
+        assert block, name
+        module, leaf = block.groups()
+        if module.startswith("attention.self.") or module == "attention.output.dense":
+            expected = "attention"
+        elif module.endswith("LayerNorm"):
+            expected = "norm"
+        else:
+            assert module in ("intermediate.dense", "output.dense"), name
+            expected = "mlp" if leaf == "weight" else "bias"
+        assert role == expected, name
+    assert sum(r == "attention" for r in roles.values()) == 6 * 8
+    # utility: the rows floods train, everything else is frozen (the head has no transform to freeze)
+    utility = aegis.protect(model, config=AegisConfig(preset="utility"))
+    flooded = {r.name: r.role for r in utility.report().rows if r.action == "rows flood"}
+    assert flooded == rows
+
+
+def test_a_vocabulary_bias_carries_the_bag_of_next_tokens_and_is_flooded_along_it():
+    model = build("bert-causal")
+    (bias,) = [p for p in plan(model, AegisConfig()) if p.role == "lm_head" and p.param.dim() == 1]
+    ids = torch.tensor([[5, 17, 40, 17, 63, 9]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    # d loss / d b_v = mean_t (softmax_tv - [y_t = v]): negative exactly at the next tokens
+    assert set((bias.param.grad < 0).nonzero().flatten().tolist()) == set(ids[0, 1:].tolist())
+    view = rows_view(bias.param.grad)
+    assert view.shape == (VOCAB, 1) and view.data_ptr() == bias.param.grad.data_ptr()  # one row per id, in place
+    assert rows_view(torch.zeros(3, 5), transposed=True).shape == (5, 3)
 
 
 def _lora(family, targets, **kw):

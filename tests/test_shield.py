@@ -9,6 +9,7 @@ from torch import nn
 
 import aegis
 import aegis_kernels
+from aegis.policy import rows_view
 from families import FAMILIES, VOCAB, build, loss_of
 
 SEED = 2024
@@ -22,9 +23,10 @@ def _expected_export(shield, clean: dict[str, torch.Tensor], step: int) -> dict[
     key = aegis_kernels.derive_key(aegis_kernels.key_from_int(SEED), step)
     out = {}
     for (k, p), off in zip(flooded, offsets):
-        g = clean[p.name].t() if shield._transposed[k] else clean[p.name]
+        rows = shield._modes[k] == "rows"
+        g = rows_view(clean[p.name], shield._transposed[k]) if rows else clean[p.name]
         flooded_g = torch.ops.aegis.flood(g, shield._modes[k], shield._params[k], key, off)[0]
-        out[p.name] = flooded_g.t() if shield._transposed[k] else flooded_g
+        out[p.name] = (flooded_g.t() if shield._transposed[k] else flooded_g.view_as(clean[p.name]))
     return out
 
 

@@ -28,7 +28,7 @@ def mlp_flooded(lam, rho, seed=0, **kw):
 @pytest.fixture(scope="module")
 def small():
     torch.manual_seed(0)
-    return default_decoder(n_layer=2)
+    return default_decoder(arch="gpt2", n_layer=2)
 
 
 def test_gavish_donoho_shrinker_and_the_edge():
@@ -101,7 +101,7 @@ def test_weakened_settings_default_decoder(lam, fast_noise):  # noqa: F811
 @pytest.mark.slow
 def test_averaged_exports_undo_a_strong_flood(fast_noise):  # noqa: F811
     """lam 4 at rho 0.3 is out of reach from one export; 16 exports average the noise to lam 1."""
-    model, tok = default_decoder(n_layer=2)
+    model, tok = default_decoder(arch="gpt2", n_layer=2)
     config = mlp_flooded(lam=4.0, rho=0.3, seed=None, exposure="off")
     shield = aegis.protect(model, config=config)
     public = shield.public_params()

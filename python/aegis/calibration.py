@@ -16,6 +16,8 @@ from torch import Tensor, nn
 
 import aegis_kernels.reference as ref
 
+from .policy import rows_view
+
 PublicLoss = Callable[[], Tensor]
 CALIBRATION_SHAPE = (8, 64)  # (batch, tokens) of the default synthetic batch
 _PUBLIC_SEED = 20240917  # public: the synthetic batch is no secret
@@ -80,5 +82,5 @@ def public_statistics(params: Sequence[nn.Parameter], modes: Sequence[str], loss
     stats = []
     for p, g, mode, t in zip(params, grads, modes, transposed):
         g = g if g is not None else torch.zeros_like(p)
-        stats.append(ref.statistic(g.t() if t else g, mode, tau, nonzero=True))
+        stats.append(ref.statistic(rows_view(g, t) if mode == "rows" else g, mode, tau, nonzero=True))
     return torch.stack(stats)

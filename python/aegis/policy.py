@@ -2,13 +2,19 @@
 
 Rules, in order (first match wins):
   1. the user's ``role_overrides`` regexes;
-  2. the input embedding matrix -> token_embedding; an untied output embedding -> lm_head;
+  2. the input embedding matrix -> token_embedding; an untied output embedding -> lm_head; a vocabulary
+     vector -> lm_head: the output embedding's bias (BERT ``cls.predictions.bias``, RoBERTa
+     ``lm_head.bias`` …) or any other 1-D parameter of ``vocab_size`` entries outside the blocks (a
+     logits bias). Its gradient, sum_t (softmax_t - onehot(y_t)), is the bag of next tokens, so it gets
+     a rows flood along the vocabulary (one row per token id, ``ParamPlan.rows_axis`` 0), never the bias
+     role's matrix flood;
   3. peft LoRA factors of an ``nn.Embedding`` or of the output embedding, and peft trainable-token rows
      -> ``LORA_EMBEDDING_ROLE`` (``ParamPlan.rows_axis`` says which axis the token ids index);
   4. parameters of normalisation modules -> norm;
   5. anything inside an attention module (Q/K/V/O, fused QKV, LoRA adapters on them) -> attention;
   6. peft DoRA magnitude vectors (a per-feature gain, the gradient structure of a norm weight) -> norm;
-  7. other embedding tables (positions, token types) -> position_embedding;
+  7. other embedding tables (positions, token types) -> position_embedding: a rows flood along their ids
+     at the token embedding's strength;
   8. remaining biases -> bias;
   9. dense matrices applied to every token outside the blocks -> mlp: embedding projections (ALBERT
      ``embedding_hidden_mapping_in``, ELECTRA ``embeddings_project``, OPT ``project_in/out``) and the
@@ -32,7 +38,7 @@ import re
 import warnings
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 
 from .config import ROLES, AegisConfig, Treatment
 
@@ -68,13 +74,16 @@ _LORA_LINEAR_PARTS = ("lora_A", "lora_B")
 _TRAINABLE_TOKENS = "trainable_tokens_delta"  # peft trainable_token_indices: (k x d), row i for token idx[i]
 _DORA_MAGNITUDE = "lora_magnitude_vector"
 _ID_INDEXED_ROLES = ("token_embedding", "position_embedding", "lm_head", "head")  # row v: token / label v
+# A block's parameters: a vocabulary-sized vector in here is a hidden size, not a logits bias.
+_BLOCK_PATH = re.compile(r"(^|\.)(h|layers?|blocks?|block)\.\d+\.")
 _CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList, nn.Sequential)
 
 
 def rows_axis_of(name: str, param: nn.Parameter, role: str) -> int | None:
     """The axis of ``param`` whose slices are indexed by token (position, vocabulary) or label ids, else None.
 
-    0 for embedding tables, the output embedding (V x d: row v belongs to id v) and a classifier's output
+    0 for embedding tables, the output embedding (V x d: row v belongs to id v), a vocabulary vector
+    (lm_head role, V: entry v is id v's row of width 1, see ``rows_view``) and a classifier's output
     layer (C x d: row c is label c's). For peft LoRA on an
     embedding (``LORA_EMBEDDING_ROLE``; ``detect_role`` checked the layout against the base layer):
       * ``lora_embedding_A`` is (r x V) and looked up by column (``F.embedding(x, A.T)``): its gradient is
@@ -86,6 +95,8 @@ def rows_axis_of(name: str, param: nn.Parameter, role: str) -> int | None:
       * peft ``trainable_token_indices``: ``trainable_tokens_delta`` is (k x d), row i is token idx[i]'s
         (its gradient is non-zero iff that token occurs) -> 0.
     """
+    if param.dim() == 1 and role == "lm_head":
+        return 0
     if param.dim() != 2:
         return None
     if role in _ID_INDEXED_ROLES:
@@ -97,6 +108,15 @@ def rows_axis_of(name: str, param: nn.Parameter, role: str) -> int | None:
         if "lora_B" in parts or _TRAINABLE_TOKENS in parts:
             return 0
     return None
+
+
+def rows_view(tensor: Tensor, transposed: bool = False) -> Tensor:
+    """The (ids x width) view of a rows-flooded tensor: its transpose when the ids index the columns
+    (``rows_axis`` 1), one row of width 1 per id for a vocabulary vector. A view: flooding it in place
+    floods the tensor."""
+    if transposed:
+        return tensor.t()
+    return tensor.unsqueeze(1) if tensor.dim() == 1 else tensor
 
 
 @dataclass(frozen=True)
@@ -183,6 +203,17 @@ def _lora_vocab_factor(name: str, param: nn.Parameter, chain: list[nn.Module], h
     return False
 
 
+def _vocabulary_vector(model: nn.Module, name: str, param: nn.Parameter, head: nn.Module | None) -> bool:
+    """The output embedding's bias (entry v feeds logit v), or a 1-D parameter of ``vocab_size`` entries
+    outside the transformer blocks (inside them that length is a hidden size that happens to match)."""
+    if param.dim() != 1:
+        return False
+    if head is not None and param is getattr(head, "bias", None):
+        return True
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return vocab is not None and param.shape[0] == vocab and not _BLOCK_PATH.search(name)
+
+
 def _label_indexed(model: nn.Module, param: nn.Parameter) -> bool:
     """A head weight whose rows are the labels' (C x d): the head's output layer, not a hidden transform."""
     if param.dim() != 2:
@@ -203,6 +234,8 @@ def detect_role(model: nn.Module, name: str, param: nn.Parameter, overrides: lis
     if embeddings is not None and param is getattr(embeddings, "weight", None):
         return "token_embedding"
     if head is not None and param is getattr(head, "weight", None):
+        return "lm_head"
+    if _vocabulary_vector(model, name, param, head):
         return "lm_head"
     chain = _module_path(model, name)
     if _lora_vocab_factor(name, param, chain, head):

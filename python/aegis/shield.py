@@ -17,7 +17,7 @@ from aegis_kernels.cuda_graph import GraphedFlood
 from .calibration import PublicLoss, public_statistics, synthetic_loss
 from .config import AegisConfig, Calibration
 from .exposure import ExposurePolicy, ExposureTracker
-from .policy import ParamPlan, plan
+from .policy import ParamPlan, plan, rows_view
 
 
 @dataclass(frozen=True)
@@ -217,8 +217,9 @@ class Shield:
                     f"{name} has a sparse gradient: AEGIS floods dense gradients only; build the "
                     "embedding with sparse=False (a sparse gradient would reveal the tokens it touches)"
                 )
-        # token ids index the columns of these: flood the transposed view (rows = tokens)
-        tensors = [g.t() if t else g for g, t in zip(grads, self._transposed) if g is not None]
+        # rows floods run on the (ids x width) view: transposed where ids index the columns
+        tensors = [rows_view(g, t) if m == "rows" else g
+                   for g, m, t in zip(grads, self._modes, self._transposed) if g is not None]
         pattern = tuple(g is not None for g in grads)
         cached = self._patterns.get(pattern)
         if cached is None:

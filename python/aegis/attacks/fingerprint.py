@@ -41,7 +41,7 @@ import aegis_kernels.reference as ref
 from ..calibration import PublicLoss, public_statistics, synthetic_loss
 from ..config import AegisConfig, Calibration
 from ..models import is_decoder
-from ..policy import plan
+from ..policy import plan, rows_view
 from .gradients import shared_gradient, tokenize
 
 __all__ = [
@@ -201,7 +201,7 @@ class FingerprintAttack:
         out = []
         for g, t in zip(grads, self.tensors):
             g = torch.zeros_like(t.param) if g is None else g.detach()
-            out.append(g.t() if t.transposed else g)
+            out.append(rows_view(g, t.transposed) if t.mode == "rows" else g)
         return out
 
     def predict(self, batch: Batch, keep_signal: bool = False) -> _Prediction:
@@ -235,7 +235,7 @@ class FingerprintAttack:
                 obs.append(None)
                 continue
             x = x.detach()
-            x = x.t() if t.transposed else x
+            x = rows_view(x, t.transposed) if t.mode == "rows" else x
             level, kept = _level(x)
             if level == 0.0:
                 obs.append(None)

@@ -40,14 +40,15 @@ def settings(run_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def decoder(s: Mapping[str, Any]) -> tuple[nn.Module, Any]:
-    """A fresh copy of the offline default decoder (built once per process) and its tokenizer.
+    """A fresh copy of an offline GPT-2 decoder of the run config's shape (built once per process) and its
+    tokenizer.
 
     Width 384 uses MiniLM's pretrained embeddings; other widths are random (small test federations)."""
     key = (int(s["model-layers"]), int(s["model-width"]), int(s["model-heads"]))
     if key not in _MODELS:
-        from ..models import default_decoder
+        from ..models import DecoderArch, default_decoder
 
-        _MODELS[key] = default_decoder(n_layer=key[0], n_embd=key[1], n_head=key[2])
+        _MODELS[key] = default_decoder(arch=DecoderArch.GPT2, n_layer=key[0], n_embd=key[1], n_head=key[2])
     model, tok = _MODELS[key]
     return copy.deepcopy(model), tok
 
