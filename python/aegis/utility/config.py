@@ -70,7 +70,7 @@ class UtilityConfig:
         """The 2-CPU-core variant (<= 3 min): the same structure, small numbers."""
         base = dict(
             clients=2, rounds=3, batch_size=2, local_steps=2, eval_every=1, lr=1e-3, candidates=8, max_eval=32,
-            attack_clients=2,
+            attack_clients=1,
             attacks=("dager", "embedding_norm", "labels", "fingerprint_pool"),
         )
         return UtilityConfig(**{**base, **changes})
