@@ -41,7 +41,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-steps", type=int, help="FedAvg local steps per round (default 0: one local epoch)")
     p.add_argument("--eval-every", type=int, help="rounds between evaluations (default 10; --quick 1)")
     p.add_argument("--lr", type=float, help="peak learning rate (default 3e-4; --quick 1e-3)")
-    p.add_argument("--attack-clients", type=int, help="clients whose exports are attacked (default 1)")
+    p.add_argument("--attack-clients", type=int, help="clients whose exports are attacked (default 4; --quick 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="the 2-CPU-core variant (< 3 min), same structure")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
