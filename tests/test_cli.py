@@ -50,8 +50,9 @@ def test_inspect_unknown_model_fails_with_the_fix():
 
 
 def test_inspect_takes_the_audits_models_and_fits_80_columns():
-    """`aegis inspect decoder|encoder` are the audit's own models; every row fits 80 columns, no name cut."""
-    for name, frozen in (("decoder", 4 * 4), ("encoder", 48)):
+    """`aegis inspect decoder|decoder-random|encoder` are the audit's own models (frozen: every attention
+    tensor); every row fits 80 columns, no name cut."""
+    for name, frozen in (("decoder", 6 * 8), ("decoder-random", 4 * 4), ("encoder", 48)):
         result = runner.invoke(app, ["inspect", name], env={"COLUMNS": "80"})
         assert result.exit_code == 0, result.output
         assert max(len(line) for line in result.output.splitlines()) <= 80
@@ -68,7 +69,7 @@ def test_help_lists_the_choices_at_80_columns():
     result = runner.invoke(app, ["audit", "--help"], env={"COLUMNS": "80"})
     assert result.exit_code == 0
     text = "".join(result.output.split())
-    for name in (*DEFENCES, *ATTACKS, "decoder", "encoder"):
+    for name in (*DEFENCES, *ATTACKS, "decoder", "encoder", "decoder-random"):
         assert name in text, name
     assert max(len(line) for line in result.output.splitlines()) <= 80
 

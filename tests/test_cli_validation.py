@@ -203,6 +203,24 @@ def test_cli_dataset_errors_are_one_line(no_model_loads, tmp_path):
     assert result.exit_code != 0 and isinstance(result.exception, UsageError)  # --debug: the exception itself
 
 
+def test_decoder_random_is_an_embedded_decoder_not_a_hub_name(no_model_loads, tmp_path):
+    """--model decoder-random skips the Hub lookup (the next check, --threads, is the one that fails)."""
+    args = ["audit", "--out", str(tmp_path / "o"), "--model", "decoder-random", "--threads", "0"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "--threads" in _error(result)
+    result = runner.invoke(app, [*args[:-2], "--models", "encoder"])
+    assert result.exit_code == 2 and "--model" in _error(result) and "drop --model" in result.stderr
+
+
+def test_the_audit_decoders():
+    from aegis.audit.runner import load_model
+
+    default, _ = load_model("decoder", AuditConfig.quick(), num_labels=2)
+    random_attention, _ = load_model("decoder", AuditConfig.quick(decoder="decoder-random"), num_labels=2)
+    assert type(default).__name__ == "BertLMHeadModel" and default.config.is_decoder
+    assert type(random_attention).__name__ == "GPT2LMHeadModel"
+
+
 # -- slow: the issue's table through the installed command, and late failures -----------------------------------
 
 

@@ -13,8 +13,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..config import AegisConfig, Calibration
+from ..models import DecoderArch
 
 MODELS = ("decoder", "encoder")
+# --model names of the embedded decoders other than the default (MiniLM's pretrained layers run causally)
+EMBEDDED_DECODERS = {"decoder-random": DecoderArch.GPT2}  # GPT-2 blocks with random attention
 TEXT_ATTACKS = ("dager", "embedding_norm", "mlp_span", "spectral", "tag")
 ATTACKS = (*TEXT_ATTACKS, "labels", "fingerprint_pool", "fingerprint_secret", "loss_oracle")
 DEFAULT_ATTACKS = (
@@ -82,7 +85,7 @@ class AuditConfig:
     encoder_lr: float = 1e-3
     optimizer: str = "adamw"
     seed: int = 0
-    decoder: str | None = None  # HF causal LM name / path; None: the embedded default decoder
+    decoder: str | None = None  # HF causal LM name / path or an EMBEDDED_DECODERS name; None: the default decoder
     encoder: str | None = None  # HF sequence-classification name / path; None: embedded MiniLM
     dataset: str | None = None  # local file or HF dataset; None: the shipped corpus
     text_field: str | None = None

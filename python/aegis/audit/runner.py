@@ -30,6 +30,7 @@ from .options import (  # noqa: F401 (re-exported names)
     ATTACKS,
     DEFAULT_ATTACKS,
     DEFENCES,
+    EMBEDDED_DECODERS,
     MODELS,
     QUICK_DEFENCES,
     AuditConfig,
@@ -58,7 +59,10 @@ def load_model(kind: str, config: AuditConfig, num_labels: int):
     from ..models import default_decoder, default_encoder
 
     if kind == "decoder":
-        model, tok = default_decoder(name=config.decoder, seed=config.seed)
+        if config.decoder in EMBEDDED_DECODERS:
+            model, tok = default_decoder(arch=EMBEDDED_DECODERS[config.decoder], seed=config.seed)
+        else:
+            model, tok = default_decoder(name=config.decoder, seed=config.seed)
         loss = "ForCausalLM"
     else:
         model, tok = default_encoder(num_labels=num_labels, name=config.encoder, seed=config.seed)
