@@ -185,7 +185,8 @@ def _random_probe(model: nn.Module, device: torch.device) -> dict[str, Tensor]:
     """Random token sequences (fixed seed), ids from the upper part of the vocabulary, away from specials."""
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
     if vocab <= 0:
-        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        getter = getattr(model, "get_input_embeddings", None)
+        emb = getter() if callable(getter) else None
         vocab = int(emb.weight.shape[0]) if emb is not None else 0
     if vocab <= 0:
         raise ValueError("cannot draw probe tokens: the model has no vocab_size; pass probe_inputs=")
@@ -305,7 +306,7 @@ def label_leak(
     g = g / gain
 
     if batch_size == 1:
-        if channel == "weight" and h.num_labels >= 3 and _clean(weight):
+        if channel == "weight" and weight is not None and h.num_labels >= 3 and _clean(weight):
             # G_W = (p − y) hᵀ exactly: along its top right singular vector the label's coefficient p_y − 1 is
             # the largest in magnitude (|p_y − 1| = Σ_{c≠y} p_c), whatever the sign of ⟨h, r⟩.
             top = torch.linalg.svd(weight, full_matrices=False).Vh[0]
