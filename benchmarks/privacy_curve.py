@@ -1,22 +1,26 @@
-"""Privacy curve (issues 4, 15): how much the adaptive MLP attacks recover as the MLP flood grows and as
-exports of one batch are averaged.
+"""Privacy curve (issue 15): every attack against the flood scale lambda at rho 0 and rho 0.3, and
+against K exports of one batch averaged under each preset, each with its null baseline.
 
-AEGIS paper preset (attention frozen, embeddings / norms / biases flooded as usual) with the MLP
-treatment overridden to ``matrix`` flood at scale lambda and signal weight rho; ``mlp_span`` (exact span of
-the first block's c_fc gradient) and ``spectral`` (Marchenko–Pastur denoised span) attack each shared
-gradient of the default decoder, on batches of the shipped corpus. Each point also has the null baseline
-(the same attack on a random gradient of matched per-tensor norms). ROUGE-1/2 F, mean over batches.
+Attacks (the server holds the model and the public defence configuration, never the noise key):
 
-``spectral`` is given the shield's public noise levels (``Shield.public_params()``) and the number of
-averaged exports. The K sweep (1, 4, 16, 64 exports averaged, ``attacks.repeated.averaged_export``) runs at
-the weak setting of the issue (MLP matrix flood lam 2, rho 0.3); the shipped presets ``paper`` and
-``utility`` are reported at K = 1 as points. The noise comes from keyed torch.randn unless ``--cipher``
-(the CPU reference cipher costs ~2 s per export; the attacks only know the noise law).
+* text (decoder, ROUGE-1 F of the reconstruction): ``dager``, ``embedding_norm``, ``mlp_span``,
+  ``spectral`` (given the shield's public noise levels and K); null: the same attack on a random
+  gradient of matched per-tensor norms (``aegis.metrics.null_baseline``);
+* ``labels`` (MiniLM encoder, label-multiset accuracy from the head gradient, the head's public rho as
+  gain); null: ``label_null`` (uniform guesses);
+* ``fingerprint`` (decoder, the likelihood variant of 1-of-N verification of "my pin is ____",
+  ``aegis.attacks.candidates``); null: 1/N.
 
-    python benchmarks/privacy_curve.py            # 9 lambdas x rho in {0, 0.3}, K sweep, 8 batches of B = 1
-    python benchmarks/privacy_curve.py --quick    # 5 lambdas, same K sweep, 2 sentences (~10 min, 2 cores)
+The lambda curves flood every rows tensor (embeddings, LM head, classifier) and the MLP with the same
+(lambda, rho) and no snr cap, norms and biases as in ``paper``; the K curves run the presets themselves
+with the exposure budget off (the shield would refuse past it), K = 1 .. 64 averaged exports
+(``attacks.repeated.averaged_export``). The noise is keyed torch.randn unless ``--cipher`` (same law; the
+attacks never see the key).
 
-Writes privacy-curve-cpu.json and privacy-curve-cpu.png to --out (default benchmarks/results).
+    python benchmarks/privacy_curve.py --quick                    # CPU, small sizes (see --quick)
+    python benchmarks/privacy_curve.py --device cuda --sentences 8 --trials 10 --candidates 40 --label-batches 8
+
+Writes privacy-curve-<cpu|h100|...>.json and .png to --out (default benchmarks/results).
 """
 from __future__ import annotations
 
@@ -30,85 +34,128 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "python")]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
 
 import aegis  # noqa: E402
-from aegis.attacks import mlp_span, shared_gradient, spectral  # noqa: E402
+from aegis import AegisConfig, ExposurePolicy, Treatment  # noqa: E402
+from aegis.attacks import dager, embedding_norm, mlp_span, shared_gradient, spectral  # noqa: E402
+from aegis.attacks.candidates import Verifier, secret_candidates, verification_accuracy  # noqa: E402
+from aegis.attacks.labels import label_accuracy, label_leak, label_null  # noqa: E402
 from aegis.attacks.repeated import averaged_export  # noqa: E402
-from aegis.data import load_corpus  # noqa: E402
+from aegis.data import LABELS, load_corpus  # noqa: E402
 from aegis.metrics import null_baseline, rouge  # noqa: E402
-from aegis.models import DecoderArch, default_decoder  # noqa: E402
+from aegis.models import default_decoder, default_encoder  # noqa: E402
 
-LAMS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0)
-QUICK_LAMS = (0.0, 0.5, 1.0, 2.0, 4.0)
+LAMS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+QUICK_LAMS = (0.0, 1.0, 4.0)
 RHOS = (0.0, 0.3)
 EXPOSURES = (1, 4, 16, 64)
-K_SETTING = (2.0, 0.3)  # (lam, rho) of the exposure sweep: the issue's weak MLP flood
-ATTACKS = {"mlp_span": mlp_span, "spectral": spectral}
+QUICK_EXPOSURES = (1, 4)
+TEXT_ATTACKS = {"dager": dager, "embedding_norm": embedding_norm, "mlp_span": mlp_span, "spectral": spectral}
+ATTACKS = (*TEXT_ATTACKS, "labels", "fingerprint")
+ROWS = ("token_embedding", "position_embedding", "lm_head", "head", "token_embedding_lora")
+PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(10000)]
 
 
-def _fast_noise() -> None:
-    """Keyed torch.randn in place of the CPU reference cipher (tests/fast_noise.py): same law, ~50x faster."""
-    import hashlib
-
-    import aegis_kernels.reference as ref
-
-    def keyed_normals(n, key, offset, per, device):
-        seed = int.from_bytes(hashlib.sha256(repr((key.tolist(), offset)).encode()).digest()[:8], "little")
-        gen = torch.Generator().manual_seed(seed)
-        za = torch.randn(n, generator=gen).to(device)
-        return za, (torch.randn(n, generator=gen).to(device) if per == 2 else None)
-
-    ref.noise_components = keyed_normals
+def uniform(lam: float, rho: float) -> AegisConfig:
+    """``paper`` with every rows flood and the MLP at (lam, rho), no snr cap: the curves' x axis."""
+    rows, mlp = Treatment("rows", lam=lam, rho=rho), Treatment("matrix", lam=lam, rho=rho)
+    return AegisConfig(preset="paper", overrides={**{r: rows for r in ROWS}, "mlp": mlp}, exposure=ExposurePolicy.OFF)
 
 
-def _point(model, tok, config, texts, batch_size, seed, exposures=1) -> dict:
-    """Mean ROUGE-1/2 and null ROUGE-1 of every attack over the batches, at one setting."""
-    shield = aegis.protect(model, config=config.replace(exposure="off"))
-    public = shield.public_params()
-    sums = {name: [0.0, 0.0, 0.0] for name in ATTACKS}
-    for batch in texts:
-        grads = averaged_export(lambda b=batch: shared_gradient(model, b, tok, shield=shield), exposures)
-        for name, attack in ATTACKS.items():
-            kw = {"public": public, "exposures": exposures} if name == "spectral" else {}
-            scores = rouge(attack(model, grads, tok, batch_size, **kw), batch)
-            null = null_baseline(attack, model, grads, tok, batch_size, batch, seed=seed, **kw)
-            for i, value in enumerate((scores["rouge1"], scores["rouge2"], null["rouge1"])):
-                sums[name][i] += value / len(texts)
-    return {name: dict(zip(("rouge1", "rouge2", "null_rouge1"), v)) for name, v in sums.items()}
+class Curve:
+    """The models, data and sizes every point is measured with."""
+
+    def __init__(self, args, device: torch.device):
+        kw = {} if args.arch is None else {"arch": args.arch}
+        kw |= {} if args.n_layer is None else {"n_layer": args.n_layer}
+        self.decoder, self.tok = default_decoder(**kw)
+        self.encoder, self.etok = default_encoder(num_labels=len(LABELS))
+        self.decoder.to(device), self.encoder.to(device)
+        text = [e.text for e in load_corpus("validation")]
+        b = args.batch_size
+        self.batch_size = b
+        self.texts = [text[i * b : (i + 1) * b] for i in range(args.sentences)]
+        examples = load_corpus("train")
+        self.label_batches = [examples[i * b : (i + 1) * b] for i in range(args.label_batches)]
+        self.candidates = secret_candidates("my pin is {}", PINS[: args.candidates])
+        self.truths = [round(i * args.candidates / args.trials) for i in range(args.trials)]
+        self.seed = args.seed
+
+    def point(self, config: AegisConfig, exposures: int) -> dict[str, dict[str, float]]:
+        """{attack: {"score", "null"}} at one configuration and K."""
+        out = self._text(config, exposures)
+        out["labels"] = self._labels(config, exposures)
+        out["fingerprint"] = self._fingerprint(config, exposures)
+        return out
+
+    def _text(self, config, k):
+        model, tok = self.decoder, self.tok
+        shield = aegis.protect(model, config=config)
+        public = shield.public_params()
+        sums = {name: {"score": 0.0, "null": 0.0} for name in TEXT_ATTACKS}
+        for batch in self.texts:
+            grads = averaged_export(lambda b=batch: shared_gradient(model, b, tok, shield=shield), k)
+            for name, attack in TEXT_ATTACKS.items():
+                kw = {"public": public, "exposures": k} if name == "spectral" else {}
+                got = rouge(attack(model, grads, tok, self.batch_size, **kw), batch)["rouge1"]
+                null = null_baseline(attack, model, grads, tok, self.batch_size, batch, seed=self.seed, **kw)["rouge1"]
+                sums[name]["score"] += got / len(self.texts)
+                sums[name]["null"] += null / len(self.texts)
+        return sums
+
+    def _labels(self, config, k):
+        model, tok = self.encoder, self.etok
+        shield = aegis.protect(model, config=config)
+        head = shield.public_params().get("classifier.weight")  # the adaptive attacker's gain: the head's rho
+        gain = 1.0 if head is None else max(head[0], 1e-6)
+        score = 0.0
+        for batch in self.label_batches:
+            texts, truth = [e.text for e in batch], [LABELS.index(e.label) for e in batch]
+            grads = averaged_export(lambda t=texts, y=truth: shared_gradient(model, t, tok, shield=shield, labels=y), k)
+            score += label_accuracy(label_leak(model, grads, len(batch), gain=gain).labels, truth)
+        return {"score": score / len(self.label_batches), "null": label_null(len(LABELS), self.batch_size)}
+
+    def _fingerprint(self, config, k):
+        model, tok = self.decoder, self.tok
+        shield = aegis.protect(model, config=config)
+        verifier = Verifier(model, tok, config, exposures=k)
+        obs = [verifier.observe(averaged_export(
+            lambda c=self.candidates[t]: shared_gradient(model, list(c.texts), tok, shield=shield), k))
+            for t in self.truths]
+        result = verification_accuracy(verifier, obs, self.truths, self.candidates, ("likelihood",))["likelihood"]
+        return {"score": result.accuracy, "null": result.null}
 
 
-def run(lams, exposures, batches: int, batch_size: int, seed: int, n_layer: int) -> dict:
-    model, tok = default_decoder(arch=DecoderArch.GPT2, n_layer=n_layer)
-    corpus = [e.text for e in load_corpus("validation")]
-    texts = [corpus[i * batch_size : (i + 1) * batch_size] for i in range(batches)]
-    keys = ("rouge1", "rouge2", "null_rouge1")
-    curves = {name: {str(rho): {k: [] for k in keys} for rho in RHOS} for name in ATTACKS}
+def run(curve: Curve, lams, exposures, log) -> dict:
+    empty = lambda: {a: {"score": [], "null": []} for a in ATTACKS}  # noqa: E731
+    by_lam = {str(rho): empty() for rho in RHOS}
     for rho in RHOS:
         for lam in lams:
-            config = aegis.AegisConfig(preset="paper", overrides={"mlp": aegis.Treatment("matrix", lam=lam, rho=rho)})
-            point = _point(model, tok, config, texts, batch_size, seed)
-            for name, p in point.items():
-                for k in keys:
-                    curves[name][str(rho)][k].append(p[k])
-                print(f"rho={rho:<4} lam={lam:<5} {name:<9} ROUGE-1 {p['rouge1']:.3f}  ROUGE-2 {p['rouge2']:.3f}  "
-                      f"null {p['null_rouge1']:.3f}", flush=True)
-    lam, rho = K_SETTING
-    by_k = {name: {k: [] for k in keys} for name in ATTACKS}
-    for k_exp in exposures:
-        config = aegis.AegisConfig(preset="paper", overrides={"mlp": aegis.Treatment("matrix", lam=lam, rho=rho)})
-        point = _point(model, tok, config, texts, batch_size, seed, exposures=k_exp)
-        for name, p in point.items():
-            for k in keys:
-                by_k[name][k].append(p[k])
-            print(f"K={k_exp:<3} (lam {lam}, rho {rho}) {name:<9} ROUGE-1 {p['rouge1']:.3f}  "
-                  f"null {p['null_rouge1']:.3f}", flush=True)
-    presets = {}
-    for preset in ("paper", "utility"):
-        presets[preset] = _point(model, tok, aegis.AegisConfig(preset=preset), texts, batch_size, seed)
-        for name, p in presets[preset].items():
-            print(f"preset {preset:<8} {name:<9} ROUGE-1 {p['rouge1']:.3f}  null {p['null_rouge1']:.3f}", flush=True)
-    return {"curves": curves, "exposure_curve": by_k, "presets": presets}
+            start = time.perf_counter()
+            point = curve.point(uniform(lam, rho), 1)
+            for a, v in point.items():
+                by_lam[str(rho)][a]["score"].append(v["score"])
+                by_lam[str(rho)][a]["null"].append(v["null"])
+            log(f"rho {rho:<4} lam {lam:<5} " + _line(point) + f"  ({time.perf_counter() - start:.0f} s)")
+    by_k = {preset: empty() for preset in ("paper", "utility")}
+    for preset in by_k:
+        for k in exposures:
+            start = time.perf_counter()
+            point = curve.point(AegisConfig(preset=preset, exposure=ExposurePolicy.OFF), k)
+            for a, v in point.items():
+                by_k[preset][a]["score"].append(v["score"])
+                by_k[preset][a]["null"].append(v["null"])
+            log(f"{preset:<7} K={k:<4} " + _line(point) + f"  ({time.perf_counter() - start:.0f} s)")
+    return {"lam_curves": by_lam, "exposure_curves": by_k}
+
+
+def _line(point: dict) -> str:
+    return "  ".join(f"{a} {v['score']:.2f}/{v['null']:.2f}" for a, v in point.items())
+
+
+STYLE = {"dager": ("tab:blue", "o"), "embedding_norm": ("tab:orange", "v"), "mlp_span": ("tab:green", "^"),
+         "spectral": ("tab:red", "s"), "labels": ("tab:purple", "D"), "fingerprint": ("k", "*")}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -117,97 +164,97 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rhos = [str(rho) for rho in result["rhos"]]
-    fig, axes = plt.subplots(1, len(rhos) + 1, figsize=(13, 4), sharey=True)
-    styles = {"mlp_span": ("tab:blue", "o", "-"), "spectral": ("tab:red", "s", "--")}
-    for ax, rho in zip(axes, rhos):
-        for name, by_rho in result["curves"].items():
-            color, marker, line = styles[name]
-            ax.plot(result["lams"], by_rho[rho]["rouge1"], color=color, marker=marker, linestyle=line, label=name)
-            ax.plot(result["lams"], by_rho[rho]["null_rouge1"], color=color, linestyle=":", alpha=0.6,
-                    label=f"{name} null")
-        ax.axhline(0.05, color="grey", linestyle=":", label="defended bar 0.05")
-        ax.set_xscale("symlog", linthresh=0.25)
-        ax.set_xlim(-0.03, result["lams"][-1] * 1.2)
-        ax.set_xticks(result["lams"], [f"{lam:g}" for lam in result["lams"]], fontsize=7)
-        ax.set_xlabel("MLP flood scale lambda (sigma = lambda * mean|G_pub|)")
-        ax.set_title(f"MLP signal weight rho = {rho}, K = 1", fontsize=10)
-    ax = axes[-1]
-    lam, rho = result["exposure_setting"]
-    for name, curve in result["exposure_curve"].items():
-        color, marker, line = styles[name]
-        ax.plot(result["exposures"], curve["rouge1"], color=color, marker=marker, linestyle=line, label=name)
-        ax.plot(result["exposures"], curve["null_rouge1"], color=color, linestyle=":", alpha=0.6)
-    for preset, mark in (("paper", "^"), ("utility", "v")):
-        value = result["presets"][preset]["spectral"]["rouge1"]
-        ax.scatter([1], [value], marker=mark, color="k", zorder=5, label=f"preset {preset} (spectral, K=1)")
-    ax.axhline(0.05, color="grey", linestyle=":")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(result["exposures"], [str(k) for k in result["exposures"]])
-    ax.set_xlabel("exports of one batch averaged (K)")
-    ax.set_title(f"lam {lam:g}, rho {rho:g}: noise / sqrt(K)", fontsize=10)
-    ax.legend(fontsize=7)
-    axes[0].set_ylabel("ROUGE-1 F of the reconstruction")
+    panels = [("lam", str(rho)) for rho in result["rhos"]] + [("K", p) for p in result["exposure_curves"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), sharey=True)
+    for ax, (kind, key) in zip(axes, panels):
+        curves = result["lam_curves"][key] if kind == "lam" else result["exposure_curves"][key]
+        xs = result["lams"] if kind == "lam" else result["exposures"]
+        for attack, c in curves.items():
+            color, marker = STYLE[attack]
+            ax.plot(xs, c["score"], color=color, marker=marker, label=attack)
+            ax.plot(xs, c["null"], color=color, linestyle=":", alpha=0.6)
+        ax.axhline(0.05, color="grey", linestyle="--", linewidth=0.8)
+        if kind == "lam":
+            ax.set_xscale("symlog", linthresh=0.25)
+            ax.set_xticks(xs, [f"{x:g}" for x in xs], fontsize=7)
+            ax.set_xlabel("lambda of every rows flood and the MLP (no snr cap)")
+            ax.set_title(f"rho = {key}, K = 1", fontsize=10)
+        else:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_xlabel("exports of one batch averaged (K)")
+            ax.set_title(f"preset {key} (budget {result['budgets'][key]}), budget off", fontsize=10)
+    axes[0].set_ylabel("ROUGE-1 (text) / accuracy (labels, 1-of-N)")
     axes[0].set_ylim(-0.03, 1.03)
     axes[0].legend(fontsize=7)
-    fig.suptitle(
-        f"Adaptive MLP attacks vs the AEGIS MLP flood (default decoder, {result['n_layer']} blocks, attention "
-        f"frozen, B = {result['batch_size']}, {result['batches']} sentences; dotted: null baselines)",
-        fontsize=10,
-    )
+    fig.suptitle(f"Every attack vs the flood and vs K ({result['decoder']}; B = {result['batch_size']}, "
+                 f"{result['sentences']} sentences, {result['label_batches']} label batches, 1-of-"
+                 f"{result['candidates']} over {result['trials']} trials; dotted: null; dashed: 0.05)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    fig.savefig(path, dpi=130)
     plt.close(fig)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="5 lambdas and 2 batches")
-    parser.add_argument("--batches", type=int, help="batches per point (default 8, quick 2)")
+    parser.add_argument("--quick", action="store_true",
+                        help="lambda 0, 1, 4; K 1, 4; 1 sentence, 2 label batches, 1-of-10 over 2 trials")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--sentences", type=int, help="text batches per point (default 4, quick 1)")
+    parser.add_argument("--label-batches", type=int, help="encoder batches per point (default 8, quick 2)")
+    parser.add_argument("--candidates", type=int, help="N of the 1-of-N secret (default 40, quick 10)")
+    parser.add_argument("--trials", type=int, help="1-of-N trials per point (default 10, quick 2)")
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the null baseline (the flood always draws fresh keys)"
-    )
-    parser.add_argument("--n-layer", type=int, help="decoder blocks (default 4)")
-    parser.add_argument("--cipher", action="store_true", help="the CPU reference cipher instead of keyed randn")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (LAPACK thrashes on shared cores)")
+    parser.add_argument("--arch", help="decoder architecture for aegis.models.default_decoder (default: its own)")
+    parser.add_argument("--n-layer", type=int, help="decoder blocks (default: the architecture's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the null baselines (floods draw fresh keys)")
+    parser.add_argument("--cipher", action="store_true", help="the reference cipher instead of keyed randn")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (LAPACK thrashes on shared cores)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
-
-    lams = QUICK_LAMS if args.quick else LAMS
-    batches = args.batches or (2 if args.quick else 8)
-    n_layer = args.n_layer or 4
+    quick = args.quick
+    args.sentences = args.sentences or (1 if quick else 4)
+    args.label_batches = args.label_batches or (2 if quick else 8)
+    args.candidates = args.candidates or (10 if quick else 40)
+    args.trials = min(args.trials or (2 if quick else 10), args.candidates)
+    if min(args.sentences, args.label_batches, args.trials, args.batch_size) < 1 or args.candidates < 2:
+        parser.error("--sentences, --label-batches, --trials, --batch-size >= 1 and --candidates >= 2")
+    device = torch.device(args.device)
     if not args.cipher:
-        _fast_noise()
+        import aegis_kernels.reference as ref
+        from tests.fast_noise import keyed_normals
+
+        ref.noise_components = keyed_normals
     torch.set_num_threads(args.threads)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    tag = "h100" if "H100" in card else "h200" if "H200" in card else "cpu" if card == "cpu" else "gpu"
+    lams, exposures = (QUICK_LAMS, QUICK_EXPOSURES) if quick else (LAMS, EXPOSURES)
+    args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    out = run(lams, EXPOSURES, batches, args.batch_size, args.seed, n_layer)
+    curve = Curve(args, device)
+    out = run(curve, lams, exposures, lambda line: print(line, flush=True))
+    from aegis.config import PRESET_EXPOSURES
+
     result = {
-        "model": f"aegis.models.default_decoder(arch='gpt2', n_layer={n_layer})",
-        "n_layer": n_layer,
-        "data": "aegis.data corpus, validation split, in file order",
-        "preset": "paper, mlp overridden to matrix flood (lam, rho); presets paper and utility as points",
-        "noise": "CPU reference cipher" if args.cipher else "keyed torch.randn (same law as the cipher)",
-        "batch_size": args.batch_size,
-        "batches": batches,
-        "lams": list(lams),
-        "rhos": list(RHOS),
-        "exposures": list(EXPOSURES),
-        "exposure_setting": list(K_SETTING),
-        "quick": args.quick,
-        "seed": args.seed,
+        "card": card,
+        "decoder": f"default_decoder({args.arch or ''}{'' if args.n_layer is None else f', n_layer={args.n_layer}'})",
+        "encoder": "default_encoder (MiniLM)",
+        "data": "aegis.data corpus: validation split (text), train split (labels), in file order",
+        "noise": "reference cipher" if args.cipher else "keyed torch.randn (same law as the cipher)",
+        "batch_size": args.batch_size, "sentences": args.sentences, "label_batches": args.label_batches,
+        "candidates": args.candidates, "trials": args.trials, "quick": quick, "seed": args.seed,
+        "lams": list(lams), "rhos": list(RHOS), "exposures": list(exposures),
+        "budgets": dict(PRESET_EXPOSURES),
+        "metric": {a: "rouge1" for a in TEXT_ATTACKS} | {"labels": "accuracy", "fingerprint": "accuracy"},
         **out,
         "elapsed_s": round(time.perf_counter() - start, 1),
-        "machine": {
-            "cpu_threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+        "machine": {"cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
+                    "torch": torch.__version__},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "privacy-curve-cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out / "privacy-curve-cpu.png")
-    print(f"wrote {args.out / 'privacy-curve-cpu.json'} and .png in {result['elapsed_s']} s")
+    path = args.out / f"privacy-curve-{tag}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, path.with_suffix(".png"))
+    print(f"wrote {path} and .png in {result['elapsed_s']} s")
 
 
 if __name__ == "__main__":

@@ -108,9 +108,9 @@ def tasks(batch_size: int, n: int, pool: list, filler: list) -> dict[str, list[C
 
 
 def verification(model_name: str, device: torch.device, trials: int, chosen: dict, sizes, batch_sizes,
-                 log) -> list[dict]:
+                 log, rows: list[dict], save) -> None:
+    """Every cell of one model, appended to ``rows`` and saved as it completes (a cut-off run keeps them)."""
     corpus = load_corpus("train")
-    rows = []
     for setting, (config, k) in chosen.items():
         for n in sizes:
             for batch_size in batch_sizes:
@@ -134,7 +134,7 @@ def verification(model_name: str, device: torch.device, trials: int, chosen: dic
                     log(f"{model_name:8s} {setting:26s} {task:8s} N={n:<5d} B={batch_size} K={k}: "
                         + " ".join(f"{v} {r.accuracy:.3f}" for v, r in results.items())
                         + f" (null {1 / n:.3f}; exports {exported:.0f} s, scores {scored:.0f} s)")
-    return rows
+                    save()
 
 
 def _export(model, tok, shield, candidate: Candidate, k: int) -> dict:
@@ -251,14 +251,13 @@ def main() -> None:
         r for r in old["labels"] if r["setting"] not in chosen and (r["setting"] != "none K=1" or args.skip_labels)
     ]
 
-    def save() -> None:  # after every model: a late failure loses nothing
+    def save() -> None:  # after every cell: a late failure or a time limit loses one cell at most
         path.write_text(json.dumps(dict(card=card, torch=torch.__version__, fast_noise=args.fast_noise,
                                         pooled=pooled(rows), verification=rows, labels=label_rows),
                                    indent=1))
 
     for name in models:
-        rows += verification(name, device, args.trials, chosen, sizes, batch_sizes, log)
-        save()
+        verification(name, device, args.trials, chosen, sizes, batch_sizes, log, rows, save)
     if not args.skip_labels:
         labels(device, chosen, log, label_rows, save)
     for p in pooled(rows):

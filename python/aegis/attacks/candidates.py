@@ -135,12 +135,15 @@ class Verifier:
                 obs.level.append(None), obs.kept.append(0), obs.n.append(0), obs.sq.append(0.0), obs.x.append(None)
                 continue
             x = _rows(x.detach().float(), t)
-            level, kept = _level(x)
-            obs.level.append(level if level > 0 else None)
+            if not torch.isfinite(x).all() or not x.any():  # closed: nothing to read
+                obs.level.append(None), obs.kept.append(0), obs.n.append(0), obs.sq.append(0.0), obs.x.append(None)
+                continue
+            level, kept = _level(x)  # 0.0 where most entries are exact zeros (no noise: lam 0)
+            obs.level.append(level)
             obs.kept.append(kept)
             obs.n.append(x.numel())
             obs.sq.append(torch.sum(x * x, dtype=torch.float64).item())
-            obs.x.append(x.contiguous() if k in self.signal and level > 0 else None)
+            obs.x.append(x.contiguous() if k in self.signal else None)
         return obs
 
     # -- candidates ----------------------------------------------------------------------------------
@@ -196,6 +199,8 @@ class Verifier:
         if not candidates:
             raise ValueError("candidates=[]: give at least one candidate batch")
         out = {v: torch.zeros(len(observations), len(candidates), dtype=torch.float64) for v in variants}
+        if not self.tensors:  # nothing the defence exports depends on the candidate: all tie
+            return out
         for start, grads in self._chunks(candidates):
             for j, (k, g) in enumerate(zip(self.tensors, grads)):
                 for v, s in self._tensor_scores(j, k, g, observations, variants).items():
@@ -213,7 +218,9 @@ class Verifier:
                        variants: Sequence[str]) -> dict[str, Tensor]:
         t = self.attack.tensors[k]
         rho, sigma, clip, thr = self._params(k, g).to(g.device).unbind(1)
-        sigma = sigma.clamp_min(1e-300) / math.sqrt(self.exposures)
+        noisy = sigma > 0
+        # lam 0 exports no noise: the likelihood degenerates to least squares (any constant scale ranks alike)
+        sigma = torch.where(noisy, sigma / math.sqrt(self.exposures), torch.ones_like(sigma))
         energy, weighted = _signal(g, t.mode, rho, clip, thr)  # ||rho clip(G)||^2 and rho clip(G) (or None)
         xs = [o.x[j] for o in observations]
         cross = torch.zeros(len(observations), g.shape[0], dtype=torch.float64, device=g.device)
@@ -231,11 +238,12 @@ class Verifier:
                     continue
                 n = o.n[j]
                 if v == "level":
-                    if t.mode == "matrix" and t.rho > 0:
-                        continue  # signal spread over the tensor: its level is not the noise's alone
-                    s[i] = 2 * o.kept[j] * (math.log(o.level[j]) - sigma.log()) ** 2
+                    if t.mode == "matrix" and t.rho > 0 or o.level[j] <= 0:
+                        continue  # signal spread over the tensor (or no noise): the level is not the noise's
+                    s[i] = torch.where(noisy, 2 * o.kept[j] * (math.log(o.level[j]) - sigma.log()) ** 2, 0.0)
                 elif v == "energy":
-                    s[i] = n / 2 * (math.log(o.sq[j] / n) - ((energy + sigma**2 * n) / n).log()) ** 2
+                    expected = (energy + torch.where(noisy, sigma**2, 0.0) * n) / n
+                    s[i] = n / 2 * (math.log(o.sq[j] / n) - expected.clamp_min(1e-300).log()) ** 2
                 else:
                     s[i] = n * sigma.log() + (o.sq[j] - 2 * cross[i] + energy) / (2 * sigma**2)
             out[v] = s
