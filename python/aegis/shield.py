@@ -176,13 +176,13 @@ class Shield:
             if silenced:
                 params = params.clone()
                 params[:, 0] = 0.0  # rho = 0: pure noise, nothing of this batch leaves
-                torch.ops.aegis.flood_(tensors, modes, params, self._step_key().to(tensors[0].device))
+                torch.ops.aegis.flood_(tensors, modes, params, self._step_key(tensors[0].device))
             elif self.config.device_seed:
                 torch.ops.aegis.flood_keyed_(tensors, modes, params, self._device_state(tensors[0].device))
             elif index is None and self._graphable(tensors) and self._graphed is not None:
                 self._graphed(tensors, modes, params, self._master_words(), self._step)
             else:
-                torch.ops.aegis.flood_(tensors, modes, params, self._step_key().to(tensors[0].device))
+                torch.ops.aegis.flood_(tensors, modes, params, self._step_key(tensors[0].device))
         if self._exposure is not None:
             self._exposure.commit(carried_signal=bool(tensors) and not silenced)
         self._step += 1
@@ -243,11 +243,13 @@ class Shield:
             self._graphed = GraphedFlood(device)
         return True
 
-    def _step_key(self) -> Tensor:
-        """A fresh 256-bit key per step (or, in tests, the fixed key's step key)."""
-        if self._fixed_key is not None:
-            return ref.derive_key(self._fixed_key, self._step)
-        return ref.new_key()
+    def _step_key(self, device: torch.device) -> Tensor:
+        """A fresh 256-bit key per step (or, in tests, the fixed key's step key) on ``device``. A CUDA
+        copy leaves from pinned memory without blocking: a blocking copy waits for the backward."""
+        key = ref.derive_key(self._fixed_key, self._step) if self._fixed_key is not None else ref.new_key()
+        if device.type != "cuda":
+            return key.to(device)
+        return key.pin_memory().to(device, non_blocking=True)
 
     def _master_words(self) -> list[int]:
         """The graph derives the step key from this and the step (a fixed test key: as eagerly)."""
