@@ -108,13 +108,17 @@ def tasks(batch_size: int, n: int, pool: list, filler: list) -> dict[str, list[C
 
 
 def verification(model_name: str, device: torch.device, trials: int, chosen: dict, sizes, batch_sizes,
-                 log, rows: list[dict], save) -> None:
-    """Every cell of one model, appended to ``rows`` and saved as it completes (a cut-off run keeps them)."""
+                 log, rows: list[dict], save, done: frozenset = frozenset()) -> None:
+    """Every cell of one model, appended to ``rows`` and saved as it completes (a cut-off run keeps them);
+    cells in ``done`` (model, its class name, setting, B, N, task) are skipped."""
     corpus = load_corpus("train")
+    arch = type(build(model_name)[0]).__name__  # a cell measured on another architecture is not done
     for setting, (config, k) in chosen.items():
         for n in sizes:
             for batch_size in batch_sizes:
                 for task, cands in tasks(batch_size, n, corpus[:160], corpus[200:]).items():
+                    if (model_name, arch, setting, batch_size, n, task) in done:
+                        continue
                     model, tok = build(model_name)
                     model.to(device)
                     if model_name != "encoder":
@@ -127,7 +131,7 @@ def verification(model_name: str, device: torch.device, trials: int, chosen: dic
                     exported = time.time() - start
                     results = verification_accuracy(verifier, observations, truths, cands)
                     for variant, r in results.items():
-                        rows.append(dict(model=model_name, setting=setting, task=task, batch_size=batch_size,
+                        rows.append(dict(model=model_name, arch=arch, setting=setting, task=task, batch_size=batch_size,
                                          candidates=n, exports=k, variant=variant, accuracy=r.accuracy, null=r.null,
                                          mean_rank=r.mean_rank, trials=r.trials))
                     scored = time.time() - start - exported
@@ -214,6 +218,8 @@ def main() -> None:
     parser.add_argument("--settings", default="",
                         help="comma-separated name prefixes to run (default: all), e.g. 'paper,past budget: utility'")
     parser.add_argument("--append", action="store_true", help="merge into an existing result file in --out")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --append: keep the file's cells and measure only the missing ones")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     if args.fast_noise:
@@ -227,6 +233,8 @@ def main() -> None:
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     if min(sizes) < 2 or min(batch_sizes) < 1 or args.trials < 1:
         parser.error("--candidates N >= 2, --batch-sizes B >= 1 and --trials >= 1")
+    if args.resume and not args.append:
+        parser.error("--resume continues a result file: pass --append too")
     args.out.mkdir(parents=True, exist_ok=True)
     tag = "h100" if "H100" in card else "h200" if "H200" in card else "cpu"
     path = args.out / f"verification-{tag}.json"
@@ -244,7 +252,10 @@ def main() -> None:
         chosen = {k: v for k, v in chosen.items() if k.startswith(prefixes)}
     old = json.loads(path.read_text()) if args.append and path.exists() else {"verification": [], "labels": []}
     models = args.models.split(",")
-    measured = {(m, s, b, n) for m in models for s in chosen for b in batch_sizes for n in sizes}
+    measured = set() if args.resume else {(m, s, b, n) for m in models for s in chosen for b in batch_sizes
+                                          for n in sizes}
+    done = frozenset((r["model"], r.get("arch"), r["setting"], r["batch_size"], r.get("candidates", 40), r["task"])
+                     for r in old["verification"]) if args.resume else frozenset()
     rows = [r for r in old["verification"]
             if (r["model"], r["setting"], r["batch_size"], r.get("candidates", 40)) not in measured]
     label_rows = [
@@ -257,7 +268,7 @@ def main() -> None:
                                    indent=1))
 
     for name in models:
-        verification(name, device, args.trials, chosen, sizes, batch_sizes, log, rows, save)
+        verification(name, device, args.trials, chosen, sizes, batch_sizes, log, rows, save, done)
     if not args.skip_labels:
         labels(device, chosen, log, label_rows, save)
     for p in pooled(rows):
