@@ -84,8 +84,8 @@ def test_verdict_variant_prefers_leaking_variants_then_the_largest_excess():
         "B=8": LabelTest(0.70, 0.69, 0.5, 40),
     }
     assert verdict_variant(tests) == ("B=1", pytest.approx(3e-4))
-    calm = {k: LabelTest(t.null + 0.01, t.null, 0.4, t.n) for k, t in tests.items()}
-    assert verdict_variant(calm)[1] == 1.0
+    calm = {k: LabelTest(t.null + 0.01 * i, t.null, 0.4, t.n) for i, (k, t) in enumerate(tests.items())}
+    assert verdict_variant(calm) == ("B=1", 1.0)  # nothing above the bar: B = 1, whose chance is the null row's
 
 
 # -- the audit's encoder ----------------------------------------------------------------------------------------------

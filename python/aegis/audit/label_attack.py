@@ -207,7 +207,8 @@ def evaluate(
 
 def verdict_variant(tests: dict[str, LabelTest]) -> tuple[str, float]:
     """The variant the row reports and its Bonferroni-adjusted p: the most-above-chance variant among those
-    that leak (above the margin, adjusted p < ALPHA), else among those above the margin, else overall."""
+    that leak (above the margin, adjusted p < ALPHA), else among those above the margin, else the first
+    (B = 1, whose chance level is the null row's)."""
     m = len(tests)
 
     def adjusted(v: str) -> float:
@@ -218,7 +219,7 @@ def verdict_variant(tests: dict[str, LabelTest]) -> tuple[str, float]:
 
     above = [v for v in tests if excess(v) > MARGIN]
     leaking = [v for v in above if adjusted(v) < ALPHA]
-    best = max(leaking or above or list(tests), key=excess)
+    best = max(leaking or above, key=excess) if above else next(iter(tests))
     return best, adjusted(best)
 
 
