@@ -107,12 +107,11 @@ def tasks(batch_size: int, n: int, pool: list, filler: list) -> dict[str, list[C
     return {"secret": secret, "sentence": sentence}
 
 
-def verification(model_name: str, device: torch.device, trials: int, chosen: dict, sizes, batch_sizes,
+def verification(model_name: str, arch: str, device: torch.device, trials: int, chosen: dict, sizes, batch_sizes,
                  log, rows: list[dict], save, done: frozenset = frozenset()) -> None:
     """Every cell of one model, appended to ``rows`` and saved as it completes (a cut-off run keeps them);
     cells in ``done`` (model, its class name, setting, B, N, task) are skipped."""
     corpus = load_corpus("train")
-    arch = type(build(model_name)[0]).__name__  # a cell measured on another architecture is not done
     for setting, (config, k) in chosen.items():
         for n in sizes:
             for batch_size in batch_sizes:
@@ -252,12 +251,13 @@ def main() -> None:
         chosen = {k: v for k, v in chosen.items() if k.startswith(prefixes)}
     old = json.loads(path.read_text()) if args.append and path.exists() else {"verification": [], "labels": []}
     models = args.models.split(",")
-    measured = set() if args.resume else {(m, s, b, n) for m in models for s in chosen for b in batch_sizes
-                                          for n in sizes}
-    done = frozenset((r["model"], r.get("arch"), r["setting"], r["batch_size"], r.get("candidates", 40), r["task"])
-                     for r in old["verification"]) if args.resume else frozenset()
+    archs = {m: type(build(m)[0]).__name__ for m in models}  # a cell measured on another class is not done
+    measured = {(m, s, b, n) for m in models for s in chosen for b in batch_sizes for n in sizes}
     rows = [r for r in old["verification"]
-            if (r["model"], r["setting"], r["batch_size"], r.get("candidates", 40)) not in measured]
+            if (r["model"], r["setting"], r["batch_size"], r.get("candidates", 40)) not in measured
+            or args.resume and r.get("arch") == archs[r["model"]]]
+    done = frozenset((r["model"], r.get("arch"), r["setting"], r["batch_size"], r.get("candidates", 40), r["task"])
+                     for r in rows) if args.resume else frozenset()
     label_rows = [
         r for r in old["labels"] if r["setting"] not in chosen and (r["setting"] != "none K=1" or args.skip_labels)
     ]
@@ -268,7 +268,7 @@ def main() -> None:
                                    indent=1))
 
     for name in models:
-        verification(name, device, args.trials, chosen, sizes, batch_sizes, log, rows, save, done)
+        verification(name, archs[name], device, args.trials, chosen, sizes, batch_sizes, log, rows, save, done)
     if not args.skip_labels:
         labels(device, chosen, log, label_rows, save)
     for p in pooled(rows):
