@@ -80,11 +80,14 @@ def mlp_attack(
 def _scanner(model: nn.Module, probe: str):
     """``scan(prefix) -> (V, d)``: the block-1 MLP input at position len(prefix) for every next token.
 
-    GPT-2 and LLaMA-style models get a fast path: block-1 keys, values and queries of a token depend
-    only on (token, position), so they are computed once per position for the whole vocabulary and each
-    prefix only adds its own attention. Other decoders run every candidate sequence (exact, slow)."""
+    GPT-2, LLaMA-style and causal BERT models get a fast path: block-1 keys, values and queries of a
+    token depend only on (token, position), so they are computed once per position for the whole
+    vocabulary and each prefix only adds its own attention. Other decoders run every candidate sequence
+    (exact, slow)."""
     if hasattr(model, "transformer") and hasattr(model.transformer, "wpe"):
         return _GPT2Scan(model)
+    if getattr(model.config, "model_type", None) == "bert" and hasattr(model, "bert"):
+        return _BertScan(model)
     inner = getattr(model, "model", None)
     if inner is not None and hasattr(inner, "rotary_emb") and hasattr(inner.layers[0], "post_attention_layernorm"):
         return _LlamaScan(model)
@@ -159,3 +162,30 @@ class _LlamaScan:
         rep = lambda t: t.repeat_interleave(self.group, dim=-2)  # noqa: E731 (grouped-query attention)
         o = _attend(q, rep(k), rep(self.v), rep(k_pre), rep(self.v[ids]), self.scale)
         return self.layer.post_attention_layernorm(self.embed + self.attn.o_proj(o))
+
+
+class _BertScan:
+    """BERT run causally (the default decoder): block-1 input LayerNorm(word + position + token type 0),
+    post-LN attention: the MLP reads LayerNorm(x + attention output)."""
+
+    def __init__(self, model):
+        emb, layer = model.bert.embeddings, model.bert.encoder.layer[0]
+        self.emb, self.attn, self.out = emb, layer.attention.self, layer.attention.output
+        self.heads, self.dh = self.attn.num_attention_heads, self.attn.attention_head_size
+        self.scale = self.attn.scaling
+        self.typed = emb.word_embeddings.weight + emb.token_type_embeddings.weight[0]
+        self._position = None
+
+    def _qkv(self, x):
+        a = self.attn
+        return [p(x).view(*x.shape[:-1], self.heads, self.dh) for p in (a.query, a.key, a.value)]
+
+    def __call__(self, prefix):
+        i = len(prefix)
+        if self._position is None or self._position[0] != i:
+            x = self.emb.LayerNorm(self.typed + self.emb.position_embeddings.weight[i])
+            self._position = (i, x, *self._qkv(x))
+        _, x, q, k, v = self._position
+        pre = self.emb.LayerNorm(self.typed[list(prefix)] + self.emb.position_embeddings.weight[:i])
+        _, k_pre, v_pre = self._qkv(pre)
+        return self.out.LayerNorm(x + self.out.dense(_attend(q, k, v, k_pre, v_pre, self.scale)))
