@@ -18,9 +18,10 @@ with the exposure budget off (the shield would refuse past it), K = 1 .. 64 aver
 attacks never see the key).
 
     python benchmarks/privacy_curve.py --quick                    # CPU, small sizes (see --quick)
-    python benchmarks/privacy_curve.py --device cuda --sentences 8 --trials 10 --candidates 40 --label-batches 8
+    python benchmarks/privacy_curve.py --device cuda --resume     # 7 lambdas x 2 rhos, K to 64, 4 sentences
 
-Writes privacy-curve-<cpu|h100|...>.json and .png to --out (default benchmarks/results).
+Writes privacy-curve-<cpu|h100|...>.json to --out (default benchmarks/results) after every point, and the
+.png once every point is in; ``--resume`` keeps the points of an earlier run with the same sizes.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from aegis.attacks import dager, embedding_norm, mlp_span, shared_gradient, spec
 from aegis.attacks.candidates import Verifier, secret_candidates, verification_accuracy  # noqa: E402
 from aegis.attacks.labels import label_accuracy, label_leak, label_null  # noqa: E402
 from aegis.attacks.repeated import averaged_export  # noqa: E402
+from aegis.config import PRESET_EXPOSURES  # noqa: E402
 from aegis.data import LABELS, load_corpus  # noqa: E402
 from aegis.metrics import null_baseline, rouge  # noqa: E402
 from aegis.models import default_decoder, default_encoder  # noqa: E402
@@ -127,27 +129,34 @@ class Curve:
         return {"score": result.accuracy, "null": result.null}
 
 
-def run(curve: Curve, lams, exposures, log) -> dict:
-    empty = lambda: {a: {"score": [], "null": []} for a in ATTACKS}  # noqa: E731
-    by_lam = {str(rho): empty() for rho in RHOS}
-    for rho in RHOS:
-        for lam in lams:
-            start = time.perf_counter()
-            point = curve.point(uniform(lam, rho), 1)
-            for a, v in point.items():
-                by_lam[str(rho)][a]["score"].append(v["score"])
-                by_lam[str(rho)][a]["null"].append(v["null"])
-            log(f"rho {rho:<4} lam {lam:<5} " + _line(point) + f"  ({time.perf_counter() - start:.0f} s)")
-    by_k = {preset: empty() for preset in ("paper", "utility")}
-    for preset in by_k:
+def plan(lams, exposures) -> dict[str, tuple[AegisConfig, int]]:
+    """point key -> (configuration, K): the lambda curves at K = 1, then each preset's K curve."""
+    out = {f"rho {rho} lam {lam}": (uniform(lam, rho), 1) for rho in RHOS for lam in lams}
+    for preset in ("paper", "utility"):
         for k in exposures:
-            start = time.perf_counter()
-            point = curve.point(AegisConfig(preset=preset, exposure=ExposurePolicy.OFF), k)
-            for a, v in point.items():
-                by_k[preset][a]["score"].append(v["score"])
-                by_k[preset][a]["null"].append(v["null"])
-            log(f"{preset:<7} K={k:<4} " + _line(point) + f"  ({time.perf_counter() - start:.0f} s)")
-    return {"lam_curves": by_lam, "exposure_curves": by_k}
+            out[f"{preset} K={k}"] = (AegisConfig(preset=preset, exposure=ExposurePolicy.OFF), k)
+    return out
+
+
+def run(curve: Curve, points: dict, lams, exposures, log, save) -> None:
+    """Measure every point of ``plan`` missing from ``points`` (key -> {attack: {score, null}}), saving
+    after each one (a run cut off by a time limit resumes where it stopped)."""
+    for key, (config, k) in plan(lams, exposures).items():
+        if key in points:
+            continue
+        start = time.perf_counter()
+        points[key] = curve.point(config, k)
+        log(f"{key:<18} " + _line(points[key]) + f"  ({time.perf_counter() - start:.0f} s)")
+        save()
+
+
+def curves(points: dict, lams, exposures) -> dict:
+    """The lambda curves per rho and the K curves per preset, from the measured points."""
+    def series(keys):
+        return {a: {m: [points[key][a][m] for key in keys] for m in ("score", "null")} for a in ATTACKS}
+
+    return {"lam_curves": {str(rho): series([f"rho {rho} lam {lam}" for lam in lams]) for rho in RHOS},
+            "exposure_curves": {p: series([f"{p} K={k}" for k in exposures]) for p in ("paper", "utility")}}
 
 
 def _line(point: dict) -> str:
@@ -210,6 +219,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the null baselines (floods draw fresh keys)")
     parser.add_argument("--cipher", action="store_true", help="the reference cipher instead of keyed randn")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (LAPACK thrashes on shared cores)")
+    parser.add_argument("--resume", action="store_true", help="keep the points already in the result file")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -230,12 +240,8 @@ def main(argv=None) -> None:
     tag = "h100" if "H100" in card else "h200" if "H200" in card else "cpu" if card == "cpu" else "gpu"
     lams, exposures = (QUICK_LAMS, QUICK_EXPOSURES) if quick else (LAMS, EXPOSURES)
     args.out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    curve = Curve(args, device)
-    out = run(curve, lams, exposures, lambda line: print(line, flush=True))
-    from aegis.config import PRESET_EXPOSURES
-
-    result = {
+    path = args.out / f"privacy-curve-{tag}.json"
+    settings = {
         "card": card,
         "decoder": f"default_decoder({args.arch or ''}{'' if args.n_layer is None else f', n_layer={args.n_layer}'})",
         "encoder": "default_encoder (MiniLM)",
@@ -243,18 +249,28 @@ def main(argv=None) -> None:
         "noise": "reference cipher" if args.cipher else "keyed torch.randn (same law as the cipher)",
         "batch_size": args.batch_size, "sentences": args.sentences, "label_batches": args.label_batches,
         "candidates": args.candidates, "trials": args.trials, "quick": quick, "seed": args.seed,
-        "lams": list(lams), "rhos": list(RHOS), "exposures": list(exposures),
-        "budgets": dict(PRESET_EXPOSURES),
+        "lams": list(lams), "rhos": list(RHOS), "exposures": list(exposures), "budgets": dict(PRESET_EXPOSURES),
         "metric": {a: "rouge1" for a in TEXT_ATTACKS} | {"labels": "accuracy", "fingerprint": "accuracy"},
-        **out,
-        "elapsed_s": round(time.perf_counter() - start, 1),
-        "machine": {"cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
-                    "torch": torch.__version__},
     }
-    path = args.out / f"privacy-curve-{tag}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, path.with_suffix(".png"))
-    print(f"wrote {path} and .png in {result['elapsed_s']} s")
+    old = json.loads(path.read_text()) if args.resume and path.exists() else {}
+    same = all(old.get(k) == v for k, v in settings.items() if k not in ("card", "budgets"))
+    points = dict(old.get("points", {})) if same else {}
+    elapsed = old.get("elapsed_s", 0.0) if same else 0.0
+    start = time.perf_counter()
+
+    def save(final: bool = False) -> None:
+        result = {**settings, "points": points, "complete": final,
+                  **(curves(points, lams, exposures) if final else {}),
+                  "elapsed_s": round(elapsed + time.perf_counter() - start, 1),
+                  "machine": {"cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
+                              "torch": torch.__version__}}
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        if final:
+            plot(result, path.with_suffix(".png"))
+
+    run(Curve(args, device), points, lams, exposures, lambda line: print(line, flush=True), save)
+    save(final=True)
+    print(f"wrote {path} and .png ({round(elapsed + time.perf_counter() - start, 1)} s of measurement)")
 
 
 if __name__ == "__main__":

@@ -29,13 +29,18 @@ def test_uniform_floods_rows_and_mlp_at_lam_rho_without_snr_cap(curve):
     assert config.treatments["attention"].kind == "frozen"
 
 
-def test_plot_draws_every_attack_and_panel(curve, tmp_path):
+def test_points_assemble_into_curves_and_a_figure(curve, tmp_path):
     lams, ks = [0.0, 1.0], [1, 4]
-    line = lambda n: {"score": [0.5] * n, "null": [0.0] * n}  # noqa: E731
+    keys = list(curve.plan(lams, ks))
+    assert keys == ["rho 0.0 lam 0.0", "rho 0.0 lam 1.0", "rho 0.3 lam 0.0", "rho 0.3 lam 1.0",
+                    "paper K=1", "paper K=4", "utility K=1", "utility K=4"]
+    assert curve.plan(lams, ks)["utility K=4"][1] == 4
+    points = {key: {a: {"score": i / 10, "null": 0.0} for a in curve.ATTACKS} for i, key in enumerate(keys)}
     result = {"rhos": [0.0, 0.3], "lams": lams, "exposures": ks, "budgets": dict(PRESET_EXPOSURES),
-              "lam_curves": {r: {a: line(2) for a in curve.ATTACKS} for r in ("0.0", "0.3")},
-              "exposure_curves": {p: {a: line(2) for a in curve.ATTACKS} for p in ("paper", "utility")},
+              **curve.curves(points, lams, ks),
               "decoder": "d", "batch_size": 1, "sentences": 1, "label_batches": 1, "candidates": 10, "trials": 2}
+    assert result["lam_curves"]["0.3"]["spectral"]["score"] == [0.2, 0.3]
+    assert result["exposure_curves"]["utility"]["fingerprint"]["score"] == [0.6, 0.7]
     path = tmp_path / "curve.png"
     curve.plot(json.loads(json.dumps(result)), path)
     assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
