@@ -18,7 +18,8 @@ MARGIN = 0.05
 FLOOR = 0.05
 # A 1-of-N attack rests on few trials: above the bar, it leaks only when the truth's ranks are also
 # unlikely under chance (rank-sum p-value, Bonferroni over the scoring variants, below ALPHA); above the
-# bar without that evidence it is "suspect" (rerun with more trials).
+# bar without that evidence it is "suspect" (rerun with more trials). The label attack is held to the same
+# rule with a permutation p-value against its own guesses' chance level (Bonferroni over batch sizes).
 ALPHA = 0.01
 
 
