@@ -73,11 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         from pathlib import Path
 
         from aegis.audit.report import ReportWriter
+        from aegis.utility.results import refresh
 
         result = previous(Path(args.out))
         if result is None:
             print(f"error: --redraw: no report.json in {args.out}", file=sys.stderr)
             return 2
+        refresh(result)
         print(f"wrote {', '.join(map(str, ReportWriter(Path(args.out)).finish_utility(result)))}")
         return 0
     try:

@@ -92,7 +92,7 @@ def test_config_errors_name_the_option():
     with pytest.raises(UsageError, match="--defences"):
         UtilityConfig(defences=("aegis-best",))
     with pytest.raises(UsageError, match="--attack-clients"):
-        UtilityConfig(clients=2, attack_clients=3)
+        UtilityConfig(attack_clients=-1)
     with pytest.raises(ValueError):
         UtilityConfig(algorithms=("fedprox",))
     assert UtilityConfig(rounds=300).attacked_rounds() == (1, 150, 300)

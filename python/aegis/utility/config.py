@@ -117,7 +117,7 @@ def check(config: UtilityConfig) -> None:
         ("--batch-size", config.batch_size, 1, 64),
         ("--local-steps", config.local_steps, 0, 1000),
         ("--eval-every", config.eval_every, 1, 100_000),
-        ("--attack-clients", config.attack_clients, 0, config.clients),
+        ("--attack-clients", config.attack_clients, 0, MAX_CLIENTS),  # more than --clients: every client
         ("--candidates", config.candidates, 2, 1000),
         ("--max-eval", config.max_eval, 4, 100_000),
         ("--seed", config.seed, 0, 2**32 - 1),

@@ -28,7 +28,7 @@ def _settings(result: dict) -> str:
         f"rounds, batch {s['batch_size']}, FedAvg with {e} per round, {_e(s['optimizer'])} at peak lr "
         f"{s['lr']:g} (warmup {s['warmup']:.0%} of the rounds, cosine to {s['min_lr_share']:g}x), evaluation every "
         f"{s['eval_every']} rounds on {result['data']['validation_used']} held-out sentences never trained on; "
-        f"attacks on {s['attack_clients']} client(s)' exports at rounds {rounds}. "
+        f"attacks on {min(s['attack_clients'], s['clients'])} client(s)' exports at rounds {rounds}. "
         f"Machine: {_e(where)}, torch {_e(m.get('torch', ''))}. Wall time {result.get('wall_seconds', 0):.0f} s."
         f"{'' if result.get('complete') else ' <b>Incomplete run</b>: the rows below finished.'}</p>"
     )

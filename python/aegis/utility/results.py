@@ -108,9 +108,14 @@ def merge(old: dict, new: dict) -> dict:
     out["settings"] = {**new["settings"], "defences": sorted({r["defence"] for r in out["runs"]}),
                        "models": sorted({r["model"] for r in out["runs"]}),
                        "algorithms": sorted({r["algorithm"] for r in out["runs"]})}
-    out["summary"] = summarise(out)
-    out["statements"] = statements(out["summary"], out["runs"])
-    return out
+    return refresh(out)
+
+
+def refresh(result: dict) -> dict:
+    """Recompute the bar per run and its sentences from the runs (after a merge, or with newer rules)."""
+    result["summary"] = summarise(result)
+    result["statements"] = statements(result["summary"], result["runs"])
+    return result
 
 
 def statements(summary: list[dict], runs: list[dict] = ()) -> list[str]:
@@ -128,7 +133,8 @@ def statements(summary: list[dict], runs: list[dict] = ()) -> list[str]:
             if not s["meets_utility"]:
                 why.append(f"utility {s['ratio']:.3g}x undefended" if s["ratio"] is not None else "no utility")
             if not s["meets_privacy"]:
-                why.append(f"{s['worst_attack']} {s['worst_excess']:+.2f} over null" if s["worst_attack"]
+                p = f", p {s['worst_p_value']:.2g}" if s.get("worst_p_value") is not None else ""
+                why.append(f"{s['worst_attack']} {s['worst_excess']:+.2f} over null{p}" if s["worst_attack"]
                            else "no attack scored")
             misses.append(f"{s['defence']} ({'; '.join(why)})")
         decoder = bool(rows) and rows[0]["metric"] == "perplexity"
