@@ -171,3 +171,13 @@ def test_presets_hold_at_b_1_2_8(ctx, preset):
     row = run(ctx, DefenceSpec(f"aegis-{preset}", aegis.AegisConfig(preset=preset, seed=5)), None)
     assert set(row.variants) >= {"B=1", "B=2", "B=8"} and row.gradients >= 40
     assert not row.above_bar and not row.leaks and not row.suspect
+
+
+def test_too_few_fresh_sentences_is_refused_with_the_fix(ctx):
+    from aegis.audit.label_attack import evaluate
+    from aegis.audit.options import resolve_defence
+
+    short = copy.copy(ctx)
+    short.decoys = ctx.decoys[:1]
+    with pytest.raises(ValueError, match="^--dataset: 1 sentences .* leave labels out of --attacks"):
+        evaluate(short, resolve_defence("none"), ctx.model, {1: 10}, 0)

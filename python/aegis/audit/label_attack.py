@@ -2,8 +2,8 @@
 
 The federated rounds export a handful of batches, too few to tell a label attack from chance. The server
 holds the attacked model, so the row also attacks fresh exports: batches of B = 1, 2 and 8 sentences no
-client trains on (:data:`LABEL_BATCHES` of each), each exported once through the defence at the attacked
-round's global model, and decides with a permutation test (:func:`aegis.attacks.labels.label_test`) per
+client trains on (:data:`LABEL_BATCHES` of each), each exported once through the defence at the first
+attacked round's global model, and decides with a permutation test (:func:`aegis.attacks.labels.label_test`) per
 variant — a batch size, and at B > 1 the naive and the adaptive gain (the head's public rho) — with
 Bonferroni over the variants. The row reports the variant the verdict rests on: it leaks when its accuracy
 exceeds its chance level by more than the margin *and* the adjusted p-value is below ``ALPHA``.
@@ -178,7 +178,10 @@ def evaluate(
     the public gain used, the defence's caveat and whether the exports bound the real ones from above."""
     examples, batches = fresh_batches(ctx, sizes)
     if not batches:
-        raise ValueError(f"{len(ctx.decoys)} sentences outside the clients' batches: the label attack needs >= 2")
+        raise ValueError(
+            f"--dataset: {len(ctx.decoys)} sentences outside the clients' batches, and the label attack exports at "
+            "least 2 fresh ones: use a larger dataset or fewer --clients / --rounds, or leave labels out of --attacks"
+        )
     features, labels = head_features(model, ctx.build, examples)
     client = head_client(model)
     guard, caveat, bound = head_defence(defence)
@@ -198,7 +201,7 @@ def evaluate(
                 truths.append(labels[idx].tolist())
             for name, g in _variants(b, gain):
                 preds = [infer_labels(model, grads, b, gain=g) for grads in exports]
-                tests[name] = label_test(preds, truths, len(ctx.label_ids), permutations=PERMUTATIONS, seed=seed)
+                tests[name] = label_test(preds, truths, head.out_features, permutations=PERMUTATIONS, seed=seed)
     finally:
         torch.set_num_threads(threads)
         guard.detach()
@@ -250,9 +253,9 @@ class LabelAttack(AuditAttack):
                 clean = clean_head_gradient(head, features[idx], labels[idx])
                 preds.append(infer_labels(ctx.model, null_gradient(clean, seed=i), b))
                 truths.append(labels[idx].tolist())
-            test = label_test(preds, truths, len(ctx.label_ids), permutations=1, seed=ctx.config.seed)
+            test = label_test(preds, truths, head.num_labels, permutations=1, seed=ctx.config.seed)
             parts.append((b, test))
-        uniform = "/".join(f"{label_null(len(ctx.label_ids), b):.2f}" for b, _ in parts)
+        uniform = "/".join(f"{label_null(head.num_labels, b):.2f}" for b, _ in parts)
         return NullBaseline(
             ctx.kind,
             self.name,
