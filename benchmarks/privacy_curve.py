@@ -19,6 +19,7 @@ attacks never see the key).
 
     python benchmarks/privacy_curve.py --quick                    # CPU, small sizes (see --quick)
     python benchmarks/privacy_curve.py --device cuda --resume     # 7 lambdas x 2 rhos, K to 64, 4 sentences
+    python benchmarks/privacy_curve.py --rescore benchmarks/results/privacy-curve-h100.json   # where rouge-score is
 
 Writes privacy-curve-<cpu|h100|...>.json to --out (default benchmarks/results) after every point, and the
 .png once every point is in; ``--resume`` keeps the points of an earlier run with the same sizes.
@@ -45,7 +46,7 @@ from aegis.attacks.labels import label_accuracy, label_leak, label_null  # noqa:
 from aegis.attacks.repeated import averaged_export  # noqa: E402
 from aegis.config import PRESET_EXPOSURES  # noqa: E402
 from aegis.data import LABELS, load_corpus  # noqa: E402
-from aegis.metrics import null_baseline, rouge  # noqa: E402
+from aegis.metrics import null_gradient, rouge  # noqa: E402
 from aegis.models import default_decoder, default_encoder  # noqa: E402
 
 LAMS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
@@ -92,19 +93,20 @@ class Curve:
         return out
 
     def _text(self, config, k):
+        """Each text attack's reconstructions of every batch and of its null gradient; ROUGE is computed
+        from them by :func:`score_text` (rouge-score may be absent where the attacks run)."""
         model, tok = self.decoder, self.tok
         shield = aegis.protect(model, config=config)
         public = shield.public_params()
-        sums = {name: {"score": 0.0, "null": 0.0} for name in TEXT_ATTACKS}
+        out = {name: {"references": self.texts, "predictions": [], "null_predictions": []} for name in TEXT_ATTACKS}
         for batch in self.texts:
             grads = averaged_export(lambda b=batch: shared_gradient(model, b, tok, shield=shield), k)
+            null = null_gradient(grads, self.seed)
             for name, attack in TEXT_ATTACKS.items():
                 kw = {"public": public, "exposures": k} if name == "spectral" else {}
-                got = rouge(attack(model, grads, tok, self.batch_size, **kw), batch)["rouge1"]
-                null = null_baseline(attack, model, grads, tok, self.batch_size, batch, seed=self.seed, **kw)["rouge1"]
-                sums[name]["score"] += got / len(self.texts)
-                sums[name]["null"] += null / len(self.texts)
-        return sums
+                out[name]["predictions"].append(attack(model, grads, tok, self.batch_size, **kw))
+                out[name]["null_predictions"].append(attack(model, null, tok, self.batch_size, **kw))
+        return out
 
     def _labels(self, config, k):
         model, tok = self.encoder, self.etok
@@ -129,6 +131,24 @@ class Curve:
         return {"score": result.accuracy, "null": result.null}
 
 
+def score_text(points: dict) -> bool:
+    """Fill in ROUGE-1 F (mean over batches; greedy alignment, DAGER's for decoders) of every text attack's
+    stored reconstructions and null reconstructions; False where rouge-score is not installed."""
+    try:
+        import rouge_score  # noqa: F401
+    except ImportError:
+        return False
+    for point in points.values():
+        for name in TEXT_ATTACKS:
+            p = point[name]
+            if "score" in p:
+                continue
+            refs = p["references"]
+            p["score"] = sum(rouge(x, r)["rouge1"] for x, r in zip(p["predictions"], refs)) / len(refs)
+            p["null"] = sum(rouge(x, r)["rouge1"] for x, r in zip(p["null_predictions"], refs)) / len(refs)
+    return True
+
+
 def plan(lams, exposures) -> dict[str, tuple[AegisConfig, int]]:
     """point key -> (configuration, K): the lambda curves at K = 1, then each preset's K curve."""
     out = {f"rho {rho} lam {lam}": (uniform(lam, rho), 1) for rho in RHOS for lam in lams}
@@ -146,6 +166,7 @@ def run(curve: Curve, points: dict, lams, exposures, log, save) -> None:
             continue
         start = time.perf_counter()
         points[key] = curve.point(config, k)
+        score_text({key: points[key]})
         log(f"{key:<18} " + _line(points[key]) + f"  ({time.perf_counter() - start:.0f} s)")
         save()
 
@@ -160,7 +181,8 @@ def curves(points: dict, lams, exposures) -> dict:
 
 
 def _line(point: dict) -> str:
-    return "  ".join(f"{a} {v['score']:.2f}/{v['null']:.2f}" for a, v in point.items())
+    return "  ".join(f"{a} {v['score']:.2f}/{v['null']:.2f}" if "score" in v else f"{a} (unscored)"
+                     for a, v in point.items())
 
 
 STYLE = {"dager": ("tab:blue", "o"), "embedding_norm": ("tab:orange", "v"), "mlp_span": ("tab:green", "^"),
@@ -220,8 +242,13 @@ def main(argv=None) -> None:
     parser.add_argument("--cipher", action="store_true", help="the reference cipher instead of keyed randn")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (LAPACK thrashes on shared cores)")
     parser.add_argument("--resume", action="store_true", help="keep the points already in the result file")
+    parser.add_argument("--rescore", type=Path,
+                        help="score (ROUGE) and plot a result file measured where rouge-score was absent; no models")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
+    if args.rescore is not None:
+        rescore(args.rescore)
+        return
     quick = args.quick
     args.sentences = args.sentences or (1 if quick else 4)
     args.label_batches = args.label_batches or (2 if quick else 8)
@@ -268,9 +295,24 @@ def main(argv=None) -> None:
         if final:
             plot(result, path.with_suffix(".png"))
 
-    run(Curve(args, device), points, lams, exposures, lambda line: print(line, flush=True), save)
+    if len(points) < len(plan(lams, exposures)):
+        run(Curve(args, device), points, lams, exposures, lambda line: print(line, flush=True), save)
+    if not score_text(points):
+        save()
+        print(f"wrote {path}; rouge-score is not installed here: score and plot it with --rescore {path.name}")
+        return
     save(final=True)
     print(f"wrote {path} and .png ({round(elapsed + time.perf_counter() - start, 1)} s of measurement)")
+
+
+def rescore(path: Path) -> None:
+    result = json.loads(path.read_text())
+    if not score_text(result["points"]):
+        raise SystemExit("--rescore needs rouge-score: pip install rouge-score")
+    result.update(curves(result["points"], result["lams"], result["exposures"]), complete=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, path.with_suffix(".png"))
+    print(f"scored {path} and wrote its .png")
 
 
 if __name__ == "__main__":

@@ -44,3 +44,12 @@ def test_points_assemble_into_curves_and_a_figure(curve, tmp_path):
     path = tmp_path / "curve.png"
     curve.plot(json.loads(json.dumps(result)), path)
     assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_text_points_are_scored_from_stored_reconstructions(curve):
+    """The attacks run where rouge-score may be absent; ROUGE-1 comes later from what they returned."""
+    refs = [["my pin is 4471"], ["the cat sat"]]
+    point = {name: {"references": refs, "predictions": [["my pin is 4471"], ["a dog ran"]],
+                    "null_predictions": [[], ["the cat sat"]]} for name in curve.TEXT_ATTACKS}
+    assert curve.score_text({"k": point})
+    assert point["dager"]["score"] == pytest.approx(0.5) and point["dager"]["null"] == pytest.approx(0.5)
