@@ -26,12 +26,13 @@ import torch
 from ..audit import attacks as audit_attacks
 from ..audit.options import AuditConfig, DefenceSpec, UsageError
 from ..audit.records import MARGIN, NullBaseline
-from ..audit.runner import batch_builder, load_model
+from ..audit.runner import batch_builder
 from ..config import FROZEN, UTILITY, AegisConfig, Treatment
 from ..data import LABELS, load_corpus
 from .config import Algorithm, UtilityConfig
 from .evaluate import evaluator, metric_of
 from .federation import federate
+from .harness import load
 from .split import dirichlet_split
 
 ROWS_ROLES = ("token_embedding", "token_embedding_lora", "position_embedding", "lm_head", "head")
@@ -104,7 +105,7 @@ def calibrate(
                            eval_every=rounds, attack_clients=0, seed=seed, max_eval=80)
     train, validation = load_corpus("train"), load_corpus("validation")
     label_ids = {name: i for i, name in enumerate(LABELS)}
-    model, tok = load_model(kind, config, num_labels=len(LABELS))
+    model, tok = load(kind, config)
     build = batch_builder(kind, tok, label_ids)
     shards = dirichlet_split(train, clients, config.dirichlet_alpha, seed, batch_size)
     evaluate = evaluator(kind, build, validation[: config.max_eval], len(LABELS))

@@ -165,14 +165,15 @@ def federate(
             silenced_before = client.silenced
             if algorithm is Algorithm.FEDSGD:
                 batches = [client.stream.batch(r - 1)]
-                export = _defended_step(client, build(batches[0]), device, None)
+                _defended_step(client, build(batches[0]), device, None)
+                export = client.defence.export()
             else:
                 batches = [client.stream.batch(i) for i in _round_batches(client.stream, r, local_steps)]
                 opt = make_optimizer(config.optimizer, [p for p in client.model.parameters() if p.requires_grad], lr)
                 for examples in batches:
                     _defended_step(client, build(examples), device, opt)
-                local = dict(client.model.named_parameters())
-                export = {n: (state[n] - local[n].detach()) / lr for n in names}  # the pseudo-gradient
+                moved = dict(client.model.named_parameters())
+                export = {n: (state[n] - moved[n].detach()) / lr for n in names}  # the pseudo-gradient
             for n in names:
                 total[n] += export[n]
             log.exports += 1
@@ -187,11 +188,11 @@ def federate(
         if r % config.eval_every == 0 or r == config.rounds:
             log.curve.append({"round": r, "lr": lr, **evaluate(global_model)})
         on_round(r)
-    log.steps = sum(c.steps for c in clients)
-    log.silenced_steps = sum(c.silenced for c in clients)
-    log.reports = [c.defence.report() for c in clients]
-    for c in clients:
-        c.defence.detach()
+    log.steps = sum(client.steps for client in clients)
+    log.silenced_steps = sum(client.silenced for client in clients)
+    log.reports = [client.defence.report() for client in clients]
+    for client in clients:
+        client.defence.detach()
     return log
 
 
@@ -220,7 +221,8 @@ def _round_batches(stream: BatchStream, r: int, steps: int) -> range:
 
 def _defended_step(
     client: Client, batch: dict[str, Tensor], device: torch.device, opt: torch.optim.Optimizer | None
-) -> dict[str, Tensor] | None:
+) -> None:
+    """Backward and defence on ``batch``; FedAvg (``opt``) then steps the local model."""
     batch = {k: v.to(device) for k, v in batch.items()}
     if client.mirror is not None and client.mirror.step(batch):
         client.silenced += 1
@@ -229,10 +231,8 @@ def _defended_step(
         p.grad = None
     client.defence.backward(batch)
     client.defence.defend_()
-    if opt is None:
-        return client.defence.export()
-    opt.step()
-    return None
+    if opt is not None:
+        opt.step()
 
 
 def _server_step(

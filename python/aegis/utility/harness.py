@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..audit.options import AuditConfig
 from ..audit.runner import batch_builder, load_model
 from ..data import LABELS, load_corpus
 from . import privacy
@@ -36,6 +37,14 @@ def machine(device: torch.device) -> dict:
     if device.type == "cuda":
         out["card"] = torch.cuda.get_device_name(device)
     return out
+
+
+def load(kind: str, config: UtilityConfig):
+    """The audit's model of ``kind`` (whatever ``aegis.models`` makes the default), and its tokenizer."""
+    audit = AuditConfig(models=(kind,), defences=("none",), seed=config.seed,
+                        decoder=config.decoder if kind == "decoder" else None,
+                        encoder=config.encoder if kind == "encoder" else None)
+    return load_model(kind, audit, num_labels=len(LABELS))
 
 
 def attack_names(config: UtilityConfig) -> tuple[str, ...]:
@@ -69,7 +78,7 @@ def run_utility(
     }
     names = attack_names(config)
     for kind in config.models:
-        model, tok = load_model(kind, config, num_labels=len(LABELS))
+        model, tok = load(kind, config)
         build = batch_builder(kind, tok, label_ids)
         shards = dirichlet_split(train, config.clients, config.dirichlet_alpha, config.seed, config.batch_size)
         evaluate = evaluator(kind, build, validation[: config.max_eval], len(LABELS))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 PPL_BAR = 1.05
@@ -118,7 +119,7 @@ def refresh(result: dict) -> dict:
     return result
 
 
-def statements(summary: list[dict], runs: list[dict] = ()) -> list[str]:
+def statements(summary: list[dict], runs: Sequence[dict] = ()) -> list[str]:
     """One plain sentence per model x algorithm: which defences meet the bar (utility and privacy) and which
     do not, and why; then one per run that failed."""
     out = []
