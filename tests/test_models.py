@@ -1,4 +1,6 @@
 """Default models (offline, pretrained MiniLM pieces) and the client's shared gradient."""
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -163,3 +165,15 @@ def test_shared_gradient_with_shield_is_the_export():
     again.mask_()
     for name, g in again.export().items():
         torch.testing.assert_close(grads[name], g)
+
+
+def test_the_shield_counts_exposures_on_the_default_decoder(decoder):
+    """The exposure tracker hooks the input embedding (BERT's word_embeddings): the paper preset exports
+    one example 4 times, then refuses."""
+    model, tok = decoder
+    shield = aegis.protect(copy.deepcopy(model), config=aegis.AegisConfig(preset="paper", seed=5))
+    for _ in range(4):
+        shared_gradient(shield.model, ["my pin is 4471"], tok, shield=shield)
+    with pytest.raises(RuntimeError, match="already exported 4 time"):
+        shared_gradient(shield.model, ["my pin is 4471"], tok, shield=shield)
+    shared_gradient(shield.model, ["a fresh sentence"], tok, shield=shield)
