@@ -1,8 +1,9 @@
 """Candidate verification, repeated exposure and the label channel against the presets.
 
 For each model (default decoder, LLaMA-architecture decoder, MiniLM encoder) and each setting (the two
-presets at one export, at their exposure budget and past it with the budget switched off, and weakened
-settings that must leak: the paper's batch calibration, the paper's original rows rho = 0.3), the server
+presets at one export, at their exposure budget and past it with the budget switched off, and settings
+that must leak: no noise (rho 1, lam 0, no clip; attention still frozen), the paper's batch calibration,
+the paper's original rows rho = 0.3), the server
 runs, for every N of ``--candidates`` (10, 40, 1000) and every B of ``--batch-sizes`` (1, 4, 8):
 
 * ``secret``: which of N PINs completes "my pin is ____" (B = 1; B > 1 with B - 1 known sentences);
@@ -66,6 +67,9 @@ def settings(sweep: tuple[float, ...] = ()) -> dict[str, tuple[AegisConfig, int]
     weak = Treatment("rows", lam=1.0, rho=0.3)
     out["weak: batch calibration"] = (AegisConfig(preset="paper", calibration=Calibration.BATCH, **base), 1)
     out["weak: rows rho 0.3"] = (AegisConfig(preset="paper", overrides={r: weak for r in ROWS}, **base), 1)
+    bare = {role: Treatment(t.kind, lam=0.0, rho=1.0, clip=math.inf)  # the attack's ceiling: no noise, no clip
+            for role, t in AegisConfig(preset="paper").treatments.items() if t.kind != "frozen"}
+    out["no noise: rho 1 lam 0"] = (AegisConfig(preset="paper", overrides=bare, **base), 1)
     silent = Treatment("rows", lam=1.0, rho=0.0)  # the attacks' empirical null: nothing of the batch leaves
     out["no signal: rho 0"] = (AegisConfig(preset="paper", overrides={r: silent for r in ROWS}, **base), 1)
     for snr in sweep:
