@@ -92,6 +92,14 @@ class Observation:
     sq: list[float]
     x: list[Tensor | None]
 
+    def closed(self) -> None:
+        """Record a tensor that is absent, all zero or non-finite: nothing to read."""
+        self.level.append(None)
+        self.kept.append(0)
+        self.n.append(0)
+        self.sq.append(0.0)
+        self.x.append(None)
+
 
 class Verifier:
     """Scores N candidate batches against exported gradients, chunk by chunk.
@@ -132,11 +140,11 @@ class Verifier:
             t = self.attack.tensors[k]
             x = exported.get(t.name)
             if x is None:
-                obs.level.append(None), obs.kept.append(0), obs.n.append(0), obs.sq.append(0.0), obs.x.append(None)
+                obs.closed()
                 continue
             x = _rows(x.detach().float(), t)
             if not torch.isfinite(x).all() or not x.any():  # closed: nothing to read
-                obs.level.append(None), obs.kept.append(0), obs.n.append(0), obs.sq.append(0.0), obs.x.append(None)
+                obs.closed()
                 continue
             level, kept = _level(x)  # 0.0 where most entries are exact zeros (no noise: lam 0)
             obs.level.append(level)
@@ -147,8 +155,8 @@ class Verifier:
         return obs
 
     # -- candidates ----------------------------------------------------------------------------------
-    def _chunks(self, candidates: Sequence[Candidate]) -> Iterator[tuple[int, list[list[Tensor]]]]:
-        """(start, per tensor of self.tensors: the chunk's clean gradients (rows view), one per candidate)."""
+    def _chunks(self, candidates: Sequence[Candidate]) -> Iterator[tuple[int, list[Tensor]]]:
+        """(start, per tensor of self.tensors: the chunk's clean gradients, (C, ids, width) rows views)."""
         params = [self.attack.tensors[k].param for k in self.tensors]
         for start in range(0, len(candidates), self.chunk):
             part = candidates[start : start + self.chunk]
@@ -164,10 +172,16 @@ class Verifier:
                 per.append([torch.zeros_like(p) if g is None else g.detach().float() for g, p in zip(grads, params)])
         return [torch.stack(column) for column in zip(*per)]
 
-    def _batch(self, c: Candidate) -> dict[str, Tensor]:
-        if not self.decoder and c.labels is None:
+    def _labels(self, c: Candidate) -> list[int] | None:
+        """The candidate's labels for a classifier (required), None for a decoder."""
+        if self.decoder:
+            return None
+        if c.labels is None:
             raise ValueError("an encoder's candidates need labels: Candidate(texts, labels=(...))")
-        return lm_batch(self.tokenizer, list(c.texts), self.model, None if self.decoder else list(c.labels))
+        return list(c.labels)
+
+    def _batch(self, c: Candidate) -> dict[str, Tensor]:
+        return lm_batch(self.tokenizer, list(c.texts), self.model, self._labels(c))
 
     def _batched(self, part: Sequence[Candidate], params) -> list[Tensor]:
         rows = max(len(c.texts) for c in part)
@@ -175,13 +189,12 @@ class Verifier:
         labels: list[int] = []
         real: list[bool] = []
         for c in part:
-            if not self.decoder and c.labels is None:
-                raise ValueError("an encoder's candidates need labels: Candidate(texts, labels=(...))")
+            own = self._labels(c)
             pad = rows - len(c.texts)
             texts += [*c.texts, *[c.texts[0]] * pad]  # filler rows, masked out of the loss below
             real += [True] * len(c.texts) + [False] * pad
-            if not self.decoder:
-                labels += [*c.labels, *[-100] * pad]
+            if own is not None:
+                labels += [*own, *[-100] * pad]
         enc = lm_batch(self.tokenizer, texts, self.model, None if self.decoder else labels)
         keep = torch.tensor(real, device=enc["input_ids"].device)
         target = enc["labels"].masked_fill(~keep[:, None], -100) if self.decoder else enc["labels"]
@@ -234,13 +247,14 @@ class Verifier:
         for v in variants:
             s = torch.zeros_like(cross)
             for i, o in enumerate(observations):
-                if o.level[j] is None:
+                level = o.level[j]
+                if level is None:
                     continue
                 n = o.n[j]
                 if v == "level":
-                    if t.mode == "matrix" and t.rho > 0 or o.level[j] <= 0:
+                    if t.mode == "matrix" and t.rho > 0 or level <= 0:
                         continue  # signal spread over the tensor (or no noise): the level is not the noise's
-                    s[i] = torch.where(noisy, 2 * o.kept[j] * (math.log(o.level[j]) - sigma.log()) ** 2, 0.0)
+                    s[i] = torch.where(noisy, 2 * o.kept[j] * (math.log(level) - sigma.log()) ** 2, 0.0)
                 elif v == "energy":
                     expected = (energy + torch.where(noisy, sigma**2, 0.0) * n) / n
                     s[i] = n / 2 * (math.log(o.sq[j] / n) - expected.clamp_min(1e-300).log()) ** 2
