@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 from ..audit.options import UsageError
 
 MODELS = ("decoder", "encoder")
+ATTACKS = ("dager", "embedding_norm", "mlp_span", "spectral", "tag", "labels", "fingerprint_pool")
 DEFENCES = ("none", "aegis-paper", "aegis-utility", "dp-sgd", "prune-90", "soteria-80")
 GPU_ROUNDS = 300
 MAX_CLIENTS = 64
@@ -109,6 +110,8 @@ def _names(option: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> No
 def check(config: UtilityConfig) -> None:
     _names("--models", config.models, MODELS)
     _names("--defences", config.defences, DEFENCES)
+    if config.attacks:
+        _names("--attacks", config.attacks, ATTACKS)
     if not config.algorithms or len(set(config.algorithms)) != len(config.algorithms):
         raise UsageError("--algorithms", "name fedsgd and/or fedavg, each once")
     for option, value, low, high in (
