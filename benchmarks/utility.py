@@ -34,11 +34,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", type=names, help=f"comma-separated from {', '.join(MODELS)} (default decoder)")
     p.add_argument("--defences", type=names, help=f"comma-separated from {', '.join(DEFENCES)} (default: all)")
     p.add_argument("--algorithms", type=names, help="fedsgd, fedavg or both (default both)")
-    p.add_argument("--attacks", type=names, help="from dager, embedding_norm, mlp_span, spectral, tag, labels, fingerprint_pool (default: all but tag that this machine can run; '' for none)")
+    p.add_argument("--attacks", type=names,
+                   help="from dager, embedding_norm, mlp_span, spectral, tag, labels, fingerprint_pool "
+                   "(default: all but tag that this machine can run; '' for none)")
     p.add_argument("--rounds", type=int, help="rounds (default 300; --quick 3)")
     p.add_argument("--clients", type=int, help="clients (default 8; --quick 2)")
     p.add_argument("--batch-size", type=int, help="sentences per batch (default 4; --quick 2)")
-    p.add_argument("--local-steps", type=int, help="FedAvg local steps per round (default 0: one local epoch of the smallest client)")
+    p.add_argument("--local-steps", type=int,
+                   help="FedAvg local steps per round (default 0: one local epoch of the smallest client)",)
     p.add_argument("--eval-every", type=int, help="rounds between evaluations (default 10; --quick 1)")
     p.add_argument("--lr", type=float, help="peak learning rate (default 3e-4; --quick 1e-3)")
     p.add_argument("--attack-clients", type=int, help="clients whose exports are attacked (default 4; --quick 1)")
