@@ -66,7 +66,9 @@ def config_from(args: argparse.Namespace) -> UtilityConfig:
     }
     try:
         return UtilityConfig.quick(**changes) if args.quick else UtilityConfig(**changes)
-    except ValueError as err:  # an unknown algorithm name
+    except UsageError:
+        raise
+    except ValueError as err:  # an unknown algorithm name (the enum's error)
         raise UsageError("--algorithms", f"{err}: use fedsgd and/or fedavg") from None
 
 
