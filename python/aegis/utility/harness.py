@@ -36,6 +36,8 @@ def machine(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         out["card"] = torch.cuda.get_device_name(device)
+    else:  # timings on shared cores mean little without what else ran
+        out["load_average"] = round(os.getloadavg()[0], 2)
     return out
 
 
