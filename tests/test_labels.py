@@ -283,8 +283,11 @@ def preset_accuracy(encoder, preset: str, size: int, silent: bool) -> float:
     return total
 
 
+# Every export masks the whole model here (the product path), hence slow; the default selection checks the presets
+# on the head-only exports of the audit's label row (tests/test_labels_audit.py), equal to these for the head.
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["paper", "utility"])
-@pytest.mark.parametrize("size", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("size", [1, 2, 8])
 def test_presets_keep_the_label_attack_at_chance(encoder, fast_noise, preset, size):
     attacked = preset_accuracy(encoder, preset, size, silent=False)
     chance = preset_accuracy(encoder, preset, size, silent=True)

@@ -160,6 +160,16 @@ def test_undefended_and_weak_head_flood_leak(ctx):
     assert row.leaks and row.variants["B=1"] >= row.null + 0.2 and row.p_value < ALPHA
 
 
+@pytest.mark.filterwarnings("ignore:AegisConfig\\(seed")
+@pytest.mark.parametrize("preset", ["paper", "utility"])
+def test_presets_hold_at_b_1(ctx, preset):
+    """The row at B = 1 alone (160 exports): no leak (a false failure has probability < ALPHA at chance)."""
+    from aegis.audit.options import DefenceSpec
+
+    row = run(ctx, DefenceSpec(f"aegis-{preset}", aegis.AegisConfig(preset=preset, seed=9)), {1: 160})
+    assert set(row.variants) == {"B=1"} and row.gradients == 160 and not row.leaks
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:AegisConfig\\(seed")
 @pytest.mark.parametrize("preset", ["paper", "utility"])

@@ -286,7 +286,7 @@ class LabelAttack(AuditAttack):
         ]
         note = (
             f"rests on {best}: {chosen.n} fresh exports at the attacked model, permutation p {p:.2g} "
-            f"(Bonferroni over {len(tests)} variants); {per}"
+            f"(Bonferroni over {len(tests)} variant{'s' if len(tests) > 1 else ''}); {per}"
         )
         if captured:
             note += f"; the rounds' {len(captured)} gradients: {sum(captured) / len(captured):.2f}"
