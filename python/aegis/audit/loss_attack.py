@@ -48,8 +48,17 @@ class LossOracle(AuditAttack):
                 f"{', '.join(carried) or 'none'}); the score is the null by construction, not a measurement"
             )
             return AttackRecord(
-                ctx.kind, defence.name, self.name, "accuracy", null.score, null.score, 0, 0.0,
-                candidates=ctx.config.candidates, note=note, applicable=False,
+                ctx.kind,
+                defence.name,
+                self.name,
+                "accuracy",
+                null.score,
+                null.score,
+                0,
+                0.0,
+                candidates=ctx.config.candidates,
+                note=note,
+                applicable=False,
             ), []
         t0 = time.perf_counter()
         shares: list[float] = []
@@ -76,7 +85,16 @@ class LossOracle(AuditAttack):
             f"{sum(ranks) / len(ranks):.1f} of {n}"
         )
         return AttackRecord(
-            ctx.kind, defence.name, self.name, "accuracy", score, null.score, len(shares),
-            round(time.perf_counter() - t0, 2), candidates=n, note=note, ranks=ranks,
+            ctx.kind,
+            defence.name,
+            self.name,
+            "accuracy",
+            score,
+            null.score,
+            len(shares),
+            round(time.perf_counter() - t0, 2),
+            candidates=n,
+            note=note,
+            ranks=ranks,
             p_value=round(rank_sum_p(ranks, n), 6),
         ), []
