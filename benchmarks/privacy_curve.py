@@ -291,7 +291,9 @@ def main(argv=None) -> None:
                   "elapsed_s": round(elapsed + time.perf_counter() - start, 1),
                   "machine": {"cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
                               "torch": torch.__version__}}
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        tmp = path.with_suffix(".tmp")  # then renamed: a kill mid-write leaves the last complete file
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(path)
         if final:
             plot(result, path.with_suffix(".png"))
 

@@ -267,9 +267,10 @@ def main() -> None:
     ]
 
     def save() -> None:  # after every cell: a late failure or a time limit loses one cell at most
-        path.write_text(json.dumps(dict(card=card, torch=torch.__version__, fast_noise=args.fast_noise,
-                                        pooled=pooled(rows), verification=rows, labels=label_rows),
-                                   indent=1))
+        tmp = path.with_suffix(".tmp")  # then renamed: a kill mid-write leaves the last complete file
+        tmp.write_text(json.dumps(dict(card=card, torch=torch.__version__, fast_noise=args.fast_noise,
+                                       pooled=pooled(rows), verification=rows, labels=label_rows), indent=1))
+        tmp.replace(path)
 
     for name in models:
         verification(name, archs[name], device, args.trials, chosen, sizes, batch_sizes, log, rows, save, done)
