@@ -14,7 +14,12 @@ import torch
 
 import aegis
 from aegis.attacks import shared_gradient
-from aegis.attacks.embedding_norm import embedding_norm, embedding_norm_leak, embedding_norm_tokens
+from aegis.attacks.embedding_norm import (
+    embedding_norm,
+    embedding_norm_leak,
+    embedding_norm_tokens,
+    embedding_param_names,
+)
 from aegis.metrics import null_gradient, rouge
 from aegis.models import default_decoder, default_encoder
 
@@ -70,7 +75,7 @@ def _tiny_gpt2(tok, tied: bool, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def dec():
-    """The default decoder (GPT-2 blocks, MiniLM token rows, tied head), built once per module."""
+    """The default decoder (MiniLM run causally, tied head with a vocabulary bias), built once per module."""
     return default_decoder()
 
 
@@ -166,14 +171,16 @@ def test_closed_channels_return_empty(dec, dec_grads):
     grads = dec_grads(1)
     assert embedding_norm(model, {}, tok, 2) == []
     assert embedding_norm_tokens(model, {}, tok) == set()
-    no_rows = {k: v for k, v in grads.items() if "wte" not in k and "wpe" not in k}
+    rows = {n for names in embedding_param_names(model).values() for n in names}
+    assert {"bert.embeddings.word_embeddings.weight", "cls.predictions.bias"} <= rows  # tied head + its bias
+    no_rows = {k: v for k, v in grads.items() if k not in rows}
     assert embedding_norm(model, no_rows, tok, 2) == []
     zeros = {k: torch.zeros_like(v) for k, v in grads.items()}
     assert embedding_norm(model, zeros, tok, 2) == []
     nan = {k: torch.full_like(v, float("nan")) for k, v in grads.items()}
     assert embedding_norm(model, nan, tok, 2) == []
     # Positions alone: the length leaks, no tokens.
-    only_pos = {"transformer.wpe.weight": grads["transformer.wpe.weight"]}
+    only_pos = {n: grads[n] for n in embedding_param_names(model)["position"]}
     leak = embedding_norm_leak(model, only_pos, 1)
     assert not leak.tokens and leak.seq_len == len(tok(TEXTS[0])["input_ids"])
 

@@ -241,9 +241,11 @@ def _span_basis(G: Tensor, n: Tensor, seed: int = 0) -> Tensor | None:
         return None
     s = S / S[0]
     ratio = s[:-1] / s[1:].clamp_min(1e-300)
-    i = int(torch.argmax(ratio))
-    r = i + 1
-    if float(ratio[i]) < _GAP_MIN or float(s[r]) > _GAP_FLOOR or r >= d - 4:
+    # The first clear edge: below it the roundoff floor can fall off again (BERT's LayerNorm'd states leave
+    # the last few directions exactly empty), a larger ratio that is no edge of span{h_t}.
+    edges = torch.nonzero((ratio >= _GAP_MIN) & (s[1:] <= _GAP_FLOOR)).flatten()
+    r = int(edges[0]) + 1 if edges.numel() else d
+    if r >= d - 4:
         return None
     return Vh[:r]
 
