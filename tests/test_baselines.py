@@ -188,10 +188,21 @@ def test_soteria_prunes_every_mlp_input_fed_by_the_representation_llama():
 
 
 # -- DP-SGD (Opacus) ------------------------------------------------------------------------------
-def test_dpsgd_without_noise_is_the_mean_of_per_sample_clipped_gradients():
+def tiny_causal_bert(seed=0):
+    """BERT run causally with its LM head (tied, vocabulary bias): the default decoder's structure."""
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=200,
+        is_decoder=True,
+    )
+    return transformers.BertLMHeadModel(cfg).eval()
+
+
+@pytest.mark.parametrize("make_model", [tiny_gpt2, tiny_causal_bert])
+def test_dpsgd_without_noise_is_the_mean_of_per_sample_clipped_gradients(make_model):
     batch = lm_batch(batch=3, length=6)
     clip = 0.05
-    model = tiny_gpt2()
+    model = make_model()
     expected = None
     for i in range(3):  # per-sample gradients, one sample at a time
         g = clean_grads(model, {k: v[i : i + 1] for k, v in batch.items()})
@@ -200,7 +211,7 @@ def test_dpsgd_without_noise_is_the_mean_of_per_sample_clipped_gradients():
         expected = {k: v * scale / 3 for k, v in g.items()} if expected is None else {
             k: expected[k] + v * scale / 3 for k, v in g.items()
         }
-    defence = DPSGD(max_grad_norm=clip, noise_multiplier=0.0).attach(tiny_gpt2())
+    defence = DPSGD(max_grad_norm=clip, noise_multiplier=0.0).attach(make_model())
     _, shared = defence.step(batch)
     assert shared.keys() == expected.keys()
     for k in expected:

@@ -309,10 +309,11 @@ class DPSGD(Defence):
     def _setup(self) -> None:
         try:
             from opacus.accountants import create_accountant
-            from opacus.grad_sample import GradSampleHooks
+            from opacus.grad_sample import GradSampleHooks, register_grad_sampler
             from opacus.optimizers import DPOptimizer
         except ImportError as err:
             raise ImportError("the DP-SGD baseline needs Opacus: pip install 'opacus>=1.6'") from err
+        _register_bert_head(register_grad_sampler)
         model = self.model
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
@@ -394,6 +395,17 @@ class DPSGD(Defence):
 
     def detach(self) -> None:
         self._hooks.cleanup()
+
+
+def _register_bert_head(register) -> None:
+    """BERT's LM head (``BertLMPredictionHead``, the default decoder's) owns its vocabulary bias only to hand
+    it to its output Linear, whose Opacus sampler gives it its per-sample gradients: the head adds none.
+    Opacus's generic fallback would run the head with its tied child and fail."""
+    try:
+        from transformers.models.bert.modeling_bert import BertLMPredictionHead
+    except ImportError:  # without transformers there is no such head
+        return
+    register(BertLMPredictionHead)(lambda layer, activations, backprops: {})
 
 
 _SPEC = re.compile(r"^(?P<kind>[a-z-]+?)(?:-(?P<args>[0-9.e+-].*))?$")
