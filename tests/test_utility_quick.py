@@ -6,13 +6,23 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from aegis.utility import DEFENCES, UtilityConfig
 from aegis.utility.study import study
 
 
+@pytest.fixture
+def one_thread():
+    """As ``aegis utility`` on busy cores: a parallel region waits for its slowest thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
-def test_quick_study_keeps_its_promises(tmp_path):
+def test_quick_study_keeps_its_promises(tmp_path, one_thread):
     config = UtilityConfig.quick()
     result, paths = study(config, "cpu", tmp_path, say=lambda line: None)
     assert [p.name for p in paths] == ["report.json", "learning_curves.png", "frontier.png", "report.html"]
