@@ -178,7 +178,8 @@ def labels(device: torch.device, chosen: dict, log, rows: list[dict], save) -> N
 def pooled(rows: list[dict]) -> list[dict]:
     """Per setting, N and variant, the hits over every cell against 1/N: one cell of 40 trials puts a
     chance-level attacker at >= 4 hits of 1/40 (0.10) 2 % of the time, so a leak shows in the pool first.
-    ``p_value``: one-sided binomial, P(>= hits | chance)."""
+    ``p_value``: one-sided binomial, P(>= hits | chance), hits rounded (a tie among all N candidates
+    counts 1/N of a hit: a random tie-break's expectation)."""
     from scipy.stats import binom
 
     out = []
@@ -194,7 +195,7 @@ def pooled(rows: list[dict]) -> list[dict]:
                 out.append(dict(setting=setting, candidates=n, variant=variant, cells=len(cells), trials=trials,
                                 accuracy=hits / trials, null=1 / n, bar=1 / n + 0.05,
                                 worst_cell=max(r["accuracy"] for r in cells),
-                                p_value=float(binom.sf(max(int(-(-hits // 1)) - 1, -1), trials, 1 / n))))
+                                p_value=float(binom.sf(round(hits) - 1, trials, 1 / n))))
     return out
 
 
