@@ -1,5 +1,5 @@
 """The ServerApp (``flwr run`` component ``aegis.fl.server_app:app``): FedSGD on the trainable
-(non-attention) parameters of the default decoder, validation loss/perplexity after every round.
+(non-attention) parameters of the app's decoder, validation loss/perplexity after every round.
 
 Clients send no loss (it is an oracle for their batch, see :mod:`aegis.fl.client`): the curve is the
 server's own :func:`~aegis.fl.task.validation_loss` on the held-out validation split.

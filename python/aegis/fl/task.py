@@ -1,6 +1,6 @@
 """What the Flower app trains and evaluates (Flower's ``task.py``): the model, the data and the loss.
 
-The run config keys the app reads (:data:`DEFAULT_RUN_CONFIG`), the offline default decoder (built once
+The run config keys the app reads (:data:`DEFAULT_RUN_CONFIG`), an offline GPT-2 decoder of their shape (built once
 per process and copied per caller: a SuperNode or the server never rebuild it), each SuperNode's shard of
 the shipped corpus, and the server's held-out validation loss.
 """
