@@ -241,3 +241,22 @@ def test_sparse_gradient_is_rejected_with_the_fix():
     model(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(ValueError, match="sparse=False"):
         shield.mask_()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_default_decoder_export_on_cuda_is_the_flood_of_the_clean_gradient():
+    """The grouped CUDA flood of the default decoder, whose vocabulary bias is a rows flood of V rows of
+    width 1, equals the per-tensor flood of each clean gradient."""
+    from aegis.models import default_decoder
+
+    model = default_decoder()[0].cuda()
+    shield = aegis.protect(model, config=_config())
+    ids = torch.randint(3, 30522, (2, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    model(input_ids=ids, labels=ids).loss.backward()
+    clean = _clean_grads(model)
+    assert clean["cls.predictions.bias"].dim() == 1 and shield._modes[-1] == "rows"
+    shield.mask_()
+    expected = _expected_export(shield, clean, step=0)
+    for name, tensor in shield.export().items():
+        assert torch.equal(tensor, expected[name]), name
