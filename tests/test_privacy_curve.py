@@ -1,22 +1,16 @@
 """benchmarks/privacy_curve.py: the lambda axis configuration and the figure (the curve itself is a
 benchmark run: see the module docstring for the commands)."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+import benchmark_scripts
 from aegis.config import PRESET_EXPOSURES
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def curve():
-    spec = importlib.util.spec_from_file_location("privacy_curve", ROOT / "benchmarks" / "privacy_curve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("privacy_curve")
 
 
 def test_uniform_floods_rows_and_mlp_at_lam_rho_without_snr_cap(curve):

@@ -1,24 +1,18 @@
 """benchmarks/verification.py: its candidate sets, settings and pooled statistics (the measurement itself
 is a benchmark run: see the module docstring)."""
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 from scipy.stats import binom
 
+import benchmark_scripts
 from aegis.config import PRESET_EXPOSURES
 from aegis.data import load_corpus
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("verification_bench", ROOT / "benchmarks" / "verification.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("verification")
 
 
 def test_candidate_sets_of_any_size(bench):

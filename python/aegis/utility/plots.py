@@ -34,19 +34,33 @@ def _bar(metric: str, undefended: float | None) -> float | None:
     return undefended * (PPL_BAR if metric == "perplexity" else ACC_BAR)
 
 
-def learning_curves(result: dict, path: Path) -> None:
+def _figure(panels: list[tuple[str, str]]):
+    """One 8.4 x 4.8 inch panel per (model, algorithm), side by side (matplotlib's headless backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, axes = plt.subplots(1, len(panels), figsize=(8.4 * len(panels), 4.8), squeeze=False)
+    return fig, axes[0]
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def learning_curves(result: dict, path: Path) -> None:
     panels = _panels(result)
     if not panels:
         return
     style = _styles(result)
     untrained = {r["model"]: r["untrained"][r["metric"]] for r in result["references"]}
-    fig, axes = plt.subplots(1, len(panels), figsize=(8.4 * len(panels), 4.8), squeeze=False)
-    for ax, (model, algorithm) in zip(axes[0], panels):
+    fig, axes = _figure(panels)
+    for ax, (model, algorithm) in zip(axes, panels):
         runs = [r for r in result["runs"] if (r["model"], r["algorithm"]) == (model, algorithm) and "curve" in r]
         if not runs:
             continue
@@ -79,24 +93,17 @@ def learning_curves(result: dict, path: Path) -> None:
         ax.set_title(f"{model} · {algorithm}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def frontier(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = _panels(result)
     if not panels:
         return
     style = _styles(result)
     summary = result.get("summary", [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(8.4 * len(panels), 4.8), squeeze=False)
-    for ax, (model, algorithm) in zip(axes[0], panels):
+    fig, axes = _figure(panels)
+    for ax, (model, algorithm) in zip(axes, panels):
         rows = [s for s in summary if (s["model"], s["algorithm"]) == (model, algorithm)]
         if not rows:
             continue
@@ -130,6 +137,4 @@ def frontier(result: dict, path: Path) -> None:
                      fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
