@@ -496,9 +496,9 @@ ABBREVIATIONS = {
     "mlp_span": "mlp",
     "spectral": "spec",
     "labels": "label",
-    "fingerprint_pool": "fp-pool",
-    "fingerprint_secret": "fp-pin",
-    "loss_oracle": "oracle",
+    "fingerprint_pool": "pool",
+    "fingerprint_secret": "pin",
+    "loss_oracle": "loss",
 }
 
 
@@ -555,11 +555,11 @@ def results_tables(report) -> list:
 
 
 LEGEND = (
-    "text attacks (dager, emb, mlp, spec, tag): the worst of ROUGE-1 and token recall; label, fp-pool, "
-    "fp-pin (fingerprint 1-of-N), oracle (1-of-N from a reported loss): accuracy; red: leaks (more than "
-    "0.05 above the null; 1-of-N and label: and unlikely by chance, p < 0.01); yellow: suspect (above the "
-    "bar on too few trials); –: not applicable (the flood-level attacks read AEGIS floods only; labels: the "
-    "encoder's head; oracle: no reply carried a loss)\n"
+    "text attacks (dager, emb, mlp, spec, tag): the worst of ROUGE-1 and token recall; label, pool, pin "
+    "(fingerprint 1-of-N: which batch, which secret), loss (1-of-N from a reported loss): accuracy; red: "
+    "leaks (more than 0.05 above the null; 1-of-N and label: and unlikely by chance, p < 0.01); yellow: "
+    "suspect (above the bar on too few trials); –: not applicable (the flood-level attacks read AEGIS floods "
+    "only; labels: the encoder's head; loss: no reply carried a loss)\n"
 )
 
 
