@@ -248,7 +248,7 @@ def _finish(out32: Tensor, stats: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]
     return torch.where(finite, out32, nan).to(grad.dtype), torch.where(finite, stats, nan)
 
 
-def _clip_scale(norm: Tensor, clip: Tensor) -> Tensor:
+def clip_scale(norm: Tensor, clip: Tensor) -> Tensor:
     """(C) min(1, clip / norm), 1 for a zero norm."""
     return torch.where(norm > clip, clip / norm.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(norm))
 
@@ -259,7 +259,7 @@ def flood_rows(grad: Tensor, params: Tensor, z: Tensor, zb: Tensor | None = None
     g = grad.float()
     norms = torch.linalg.vector_norm(g, dim=1)  # (E1)
     active = norms > thr  # (E2)
-    scale = torch.where(active, rho * _clip_scale(norms, clip), 0.0)  # (C)
+    scale = torch.where(active, rho * clip_scale(norms, clip), 0.0)  # (C)
     out = add_noise(scale[:, None] * g, sigma, z, zb)  # (E4)
     peak = norms.amax() if norms.numel() else norms.new_zeros(())
     stats = torch.stack((sigma, active.sum().float(), (active & (norms > clip)).sum().float(), peak))
@@ -271,7 +271,7 @@ def flood_matrix(grad: Tensor, params: Tensor, z: Tensor, zb: Tensor | None = No
     rho, sigma, clip, _ = params.float().unbind()
     g = grad.float()
     norm = torch.linalg.vector_norm(g)
-    scale = rho * _clip_scale(norm, clip)  # (C)
+    scale = rho * clip_scale(norm, clip)  # (C)
     out = add_noise(scale * g, sigma, z, zb)  # (E5)
     return _finish(out, torch.stack((sigma, norm, scale)), grad)
 

@@ -91,7 +91,7 @@ def rows_stats_kernel(
 
 @triton.jit
 def _row_scale(n, rho, clip, thr):
-    """rho min(1, clip / n_v) on S, 0 elsewhere (reference._clip_scale)."""
+    """rho min(1, clip / n_v) on S, 0 elsewhere (reference.clip_scale)."""
     return tl.where(n > thr, rho * tl.where(n > clip, clip / tl.maximum(n, 1.1754943508222875e-38), 1.0), 0.0)
 
 

@@ -282,15 +282,14 @@ def _signal(g: Tensor, mode: str, rho: Tensor, clip: Tensor, thr: Tensor) -> tup
     if mode == "rows":
         norms = torch.linalg.vector_norm(g, dim=2)  # (C, V), fp32 as the flood computes them
         active = norms > thr.float()[:, None]
-        scale = torch.where(norms > clip.float()[:, None], clip.float()[:, None] / norms.clamp_min(1e-30), 1.0)
-        w = rho.float()[:, None] * scale * active
+        w = rho.float()[:, None] * ref.clip_scale(norms, clip.float()[:, None]) * active
         energy = ((w.double() * norms.double()) ** 2).sum(1)
         rows = active.any(0).nonzero().flatten()
         if not bool((rho > 0).any()) or rows.numel() == 0:
             return energy, None
         return energy, (rows, w[:, rows, None] * g[:, rows])
     norms = torch.linalg.vector_norm(g.reshape(c, -1), dim=1)
-    scale = rho.float() * torch.where(norms > clip.float(), clip.float() / norms.clamp_min(1e-30), 1.0)
+    scale = rho.float() * ref.clip_scale(norms, clip.float())
     energy = (scale.double() * norms.double()) ** 2
     if not bool((scale > 0).any()):
         return energy, None
