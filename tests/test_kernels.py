@@ -319,6 +319,7 @@ SHAPES = [
     (3, 1024),  # D >= 512, D % 16 == 0: one pass over memory, one row per program
     (2, 1040),  # one pass, masked column tail
     (11, 1024),  # one pass over more rows than one reduce program takes (interpreter: 4)
+    (2, 6144),  # one pass, several whole column chunks per row
     (1100, 3),  # more than 1024 rows: the stats pass reduces several programs' counts
 ]
 

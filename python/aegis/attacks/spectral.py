@@ -110,11 +110,11 @@ def build_probe(mat: Tensor, name: str, layer: int, sigma: float | None, mode: s
     y = (s / (sigma * math.sqrt(big))).cpu().numpy()
     beta = small / big
     rank = int((y > 1 + math.sqrt(beta)).sum())
-    shrunk = torch.as_tensor(gd_shrink(y, beta) ** 2 * big, dtype=torch.float64)  # (s_hat / sigma)^2
+    shrunk = torch.as_tensor(gd_shrink(y, beta) ** 2 * big, dtype=torch.float64, device=s.device)  # (s_hat / sigma)^2
     debiased = (s / sigma) ** 2 - m  # unbiased |Y v|^2 - E|noise v|^2 per right singular direction
     # squared cosines between the estimated and the true input-side singular vectors (BBP, above the edge)
     above = ((y**2 - beta - 1) + np.sqrt(np.clip((y**2 - beta - 1) ** 2 - 4 * beta, 0, None))) / 2
-    t2 = torch.as_tensor(np.where(y > 1 + math.sqrt(beta), above, 0.0), dtype=torch.float64)
+    t2 = torch.as_tensor(np.where(y > 1 + math.sqrt(beta), above, 0.0), dtype=torch.float64, device=s.device)
     t4 = t2.square()
     if n >= m:  # input side is the long side (output projections)
         cos2 = (t4 - beta) / (t4 + beta * t2).clamp_min(1e-300)
