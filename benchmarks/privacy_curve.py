@@ -52,7 +52,7 @@ from aegis.models import default_decoder, default_encoder  # noqa: E402
 LAMS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 QUICK_LAMS = (0.0, 1.0, 4.0)
 RHOS = (0.0, 0.3)
-EXPOSURES = (1, 4, 16, 64)
+EXPOSURES = (1, 4, 16, 64, 256)
 QUICK_EXPOSURES = (1, 4)
 TEXT_ATTACKS = {"dager": dager, "embedding_norm": embedding_norm, "mlp_span": mlp_span, "spectral": spectral}
 ATTACKS = (*TEXT_ATTACKS, "labels", "fingerprint")

@@ -289,7 +289,7 @@ def _decode(model, probes, tokenizer, batch_size, z_accept, min_layers, shortlis
         deflate = {p.name: known[p.name][0] if prefix else None for p in probes}
         # 1. block-1 scan of the whole vocabulary, robust z against the vocabulary itself
         u = scan(prefix)
-        z0 = torch.zeros(vocab, dtype=torch.float64)
+        z0 = torch.zeros(vocab, dtype=torch.float64, device=device)
         for p in filters:
             q = _quad(p, u, deflate[p.name])
             z0 += _standardise(q, q) / math.sqrt(len(filters))
