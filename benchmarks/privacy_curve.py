@@ -176,7 +176,7 @@ def curves(points: dict, lams, exposures) -> dict:
     def series(keys):
         return {a: {m: [points[key][a][m] for key in keys] for m in ("score", "null")} for a in ATTACKS}
 
-    return {"lam_curves": {str(rho): series([f"rho {rho} lam {lam}" for lam in lams]) for rho in RHOS},
+    return {"lam_curves": {str(rho): series([f"rho {rho} lam {lam}" for lam in lams]) for rho in RHOS} if lams else {},
             "exposure_curves": {p: series([f"{p} K={k}" for k in exposures]) for p in ("paper", "utility")}}
 
 
@@ -195,8 +195,9 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("lam", str(rho)) for rho in result["rhos"]] + [("K", p) for p in result["exposure_curves"]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), sharey=True)
+    panels = [("lam", rho) for rho in result["lam_curves"]] + [("K", p) for p in result["exposure_curves"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, (kind, key) in zip(axes, panels):
         curves = result["lam_curves"][key] if kind == "lam" else result["exposure_curves"][key]
         xs = result["lams"] if kind == "lam" else result["exposures"]
@@ -236,6 +237,9 @@ def main(argv=None) -> None:
     parser.add_argument("--candidates", type=int, help="N of the 1-of-N secret (default 40, quick 10)")
     parser.add_argument("--trials", type=int, help="1-of-N trials per point (default 10, quick 2)")
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--presets-only", action="store_true",
+                        help="only the presets' K points (no lambda curves): other models and batch sizes")
+    parser.add_argument("--exposures", help="comma-separated K of the preset points (default 1,4,16,64,256)")
     parser.add_argument("--arch", help="decoder architecture for aegis.models.default_decoder (default: its own)")
     parser.add_argument("--n-layer", type=int, help="decoder blocks (default: the architecture's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the null baselines (floods draw fresh keys)")
@@ -266,8 +270,14 @@ def main(argv=None) -> None:
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     tag = "h100" if "H100" in card else "h200" if "H200" in card else "cpu" if card == "cpu" else "gpu"
     lams, exposures = (QUICK_LAMS, QUICK_EXPOSURES) if quick else (LAMS, EXPOSURES)
+    if args.presets_only:
+        lams = ()
+    if args.exposures:
+        exposures = tuple(int(k) for k in args.exposures.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"privacy-curve-{tag}.json"
+    variant = "".join(f"-{part}" for part in (args.arch, None if args.batch_size == 1 else f"b{args.batch_size}",
+                                              "presets" if args.presets_only else None) if part)
+    path = args.out / f"privacy-curve-{tag}{variant}.json"
     settings = {
         "card": card,
         "decoder": f"default_decoder({args.arch or ''}{'' if args.n_layer is None else f', n_layer={args.n_layer}'})",
