@@ -51,6 +51,7 @@ from aegis.models import default_decoder, default_encoder  # noqa: E402
 
 LAMS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 QUICK_LAMS = (0.0, 1.0, 4.0)
+CONTROL_LAMS = (0.0, 1.0)  # --presets-only: rho 0.3 there shows each attack reading the signal
 RHOS = (0.0, 0.3)
 EXPOSURES = (1, 4, 16, 64, 256)
 QUICK_EXPOSURES = (1, 4)
@@ -238,7 +239,8 @@ def main(argv=None) -> None:
     parser.add_argument("--trials", type=int, help="1-of-N trials per point (default 10, quick 2)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--presets-only", action="store_true",
-                        help="only the presets' K points (no lambda curves): other models and batch sizes")
+                        help="the presets' K points and, as the attacks' positive controls, lambda 0 and 1 "
+                             "(other models and batch sizes)")
     parser.add_argument("--exposures", help="comma-separated K of the preset points (default 1,4,16,64,256)")
     parser.add_argument("--arch", help="decoder architecture for aegis.models.default_decoder (default: its own)")
     parser.add_argument("--n-layer", type=int, help="decoder blocks (default: the architecture's)")
@@ -271,7 +273,7 @@ def main(argv=None) -> None:
     tag = "h100" if "H100" in card else "h200" if "H200" in card else "cpu" if card == "cpu" else "gpu"
     lams, exposures = (QUICK_LAMS, QUICK_EXPOSURES) if quick else (LAMS, EXPOSURES)
     if args.presets_only:
-        lams = ()
+        lams = CONTROL_LAMS
     if args.exposures:
         exposures = tuple(int(k) for k in args.exposures.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
