@@ -294,3 +294,33 @@ def test_presets_keep_the_label_attack_at_chance(encoder, fast_noise, preset, si
     print(f"{preset} B={size}: label accuracy {attacked:.3f}, same attack without signal {chance:.3f}, "
           f"uniform {label_null(C, size):.3f}")
     assert attacked <= max(chance, label_null(C, size)) + 0.05
+
+
+def _greedy_counts(real: torch.Tensor, total: int) -> list[int]:
+    """The largest-remainder rounding one unit at a time (what _round_counts computes faster)."""
+    real = real.clamp_min(0.0)
+    counts = real.floor().long()
+    while int(counts.sum()) > total:
+        over = torch.where(counts > 0, counts - real, torch.full_like(real, -math.inf))
+        counts[int(over.argmax())] -= 1
+    while int(counts.sum()) < total:
+        counts[int((real - counts).argmax())] += 1
+    return counts.tolist()
+
+
+def test_round_counts_matches_the_unit_by_unit_greedy_and_is_fast_on_huge_estimates():
+    """Estimates far above the batch (a head read at a tiny gain) are rounded in a few steps, to exactly
+    what removing one unit at a time gives."""
+    from aegis.attacks.labels import _round_counts
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        k = 2 + trial % 5
+        scale = 10.0 ** (trial % 4)  # up to 1000x the batch: the greedy still finishes
+        real = (torch.rand(k, generator=gen, dtype=torch.float64) - 0.2) * scale * 8
+        total = 1 + trial % 8
+        got = _round_counts(real, total)
+        assert got == _greedy_counts(real, total), (real, total)
+        assert sum(got) == total and min(got) >= 0
+    huge = torch.tensor([3.2e9, 1.7e9, -4.0e9, 0.4], dtype=torch.float64)
+    assert sum(_round_counts(huge, 8)) == 8

@@ -258,6 +258,16 @@ def _round_counts(real: Tensor, total: int) -> list[int]:
     """Non-negative integers summing to ``total``, closest to ``real`` (largest remainder)."""
     real = real.clamp_min(0.0)
     counts = real.floor().long()
+    excess = int(counts.sum()) - total
+    if excess > 0:
+        # The loop below removes units in decreasing order of (count - estimate). Its first sum_c min(f_c, m)
+        # steps take exactly the units above -m, i.e. max(f_c - m, 0) remain: take the largest such m at once
+        # (a flooded head read at a tiny gain gives estimates of 10^6 and more).
+        lo, hi = 0, int(counts.max())
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if int(counts.clamp(max=mid).sum()) <= excess else (lo, mid - 1)
+        counts = (counts - lo).clamp_min(0)
     while int(counts.sum()) > total:  # remove from the class that exceeds its estimate the most
         over = torch.where(counts > 0, counts - real, torch.full_like(real, -math.inf))
         counts[int(over.argmax())] -= 1
