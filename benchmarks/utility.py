@@ -5,6 +5,12 @@
         --out benchmarks/results/utility-h100                                              # one 9-minute call
     python benchmarks/utility.py --device cuda --models decoder --algorithms fedavg \
         --out benchmarks/results/utility-h100 --append                                     # the next one, merged
+    python benchmarks/utility.py --exposure off --fast-noise --defences none,aegis-paper,aegis-utility \
+        --out benchmarks/results/utility-cpu-exposure-off     # the presets' noise alone, nothing silenced (CPU)
+
+--exposure off is a measurement, not a private setting: AEGIS exports every batch however often its examples
+were exported before. --fast-noise (CPU) swaps the flood's ChaCha normals for keyed torch.randn
+(tests/fast_noise.py): the same law, far cheaper on CPU, no secret stream; report.json records it.
 
 Writes report.json (every curve point, the settings, the machine and card, wall time, the bar per run),
 learning_curves.png, frontier.png and report.html into --out. Needs torch + transformers (+ matplotlib for
@@ -20,6 +26,7 @@ import time
 import torch
 
 from aegis.audit.options import UsageError
+from aegis.exposure import ExposurePolicy
 from aegis.utility import DEFENCES, MODELS, UtilityConfig
 from aegis.utility.study import previous, study
 
@@ -46,6 +53,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, help="peak learning rate (default 3e-4; --quick 1e-3)")
     p.add_argument("--attack-clients", type=int, help="clients whose exports are attacked (default 4; --quick 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exposure", choices=("silence", "off"),
+                   help="AEGIS's exposure budget: silence over-budget steps (default) or off (the noise alone; "
+                   "a measurement, not a private setting)")
+    p.add_argument("--fast-noise", action="store_true",
+                   help="CPU: keyed torch.randn instead of the ChaCha normals (recorded as machine.cpu_noise)")
     p.add_argument("--quick", action="store_true", help="the 2-CPU-core variant (< 3 min), same structure")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--out", default="utility-report", help="output folder (created if missing)")
@@ -61,6 +73,7 @@ def config_from(args: argparse.Namespace) -> UtilityConfig:
             models=args.models, defences=args.defences, algorithms=args.algorithms, attacks=args.attacks,
             rounds=args.rounds, clients=args.clients, batch_size=args.batch_size, local_steps=args.local_steps,
             eval_every=args.eval_every, lr=args.lr, attack_clients=args.attack_clients, seed=args.seed,
+            exposure=args.exposure and ExposurePolicy(args.exposure),
         ).items()
         if v is not None
     }
@@ -70,6 +83,18 @@ def config_from(args: argparse.Namespace) -> UtilityConfig:
         raise
     except ValueError as err:  # an unknown algorithm name (the enum's error)
         raise UsageError("--algorithms", f"{err}: use fedsgd and/or fedavg") from None
+
+
+def use_fast_noise() -> None:
+    """The CPU flood draws keyed torch.randn (the attacks read only the noise's law, which is unchanged)."""
+    from pathlib import Path
+
+    import aegis_kernels.reference as reference
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.fast_noise
+    from tests.fast_noise import keyed_normals
+
+    reference.noise_components = keyed_normals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.fast_noise:
+        use_fast_noise()
     started = time.time()
 
     def say(line: str) -> None:

@@ -167,6 +167,50 @@ def test_aegis_utility_silences_every_export_after_one_epoch(tiny_setup, fast_no
     assert log.exports == 10 and log.captures == []
 
 
+@pytest.fixture
+def zero_noise(monkeypatch):
+    """The flood's normals set to zero: a silenced export (rho = 0) is then exactly zero and one that carries
+    its batch is not, so what the shield did shows in the export itself, not in the harness's count."""
+    import aegis_kernels.reference as reference
+
+    def zeros(n, key, offset, per, device):
+        return torch.zeros(n, device=device), (torch.zeros(n, device=device) if per == 2 else None)
+
+    monkeypatch.setattr(reference, "noise_components", zeros)
+
+
+@pytest.mark.parametrize("exposure", [ExposurePolicy.SILENCE, ExposurePolicy.OFF])
+def test_exposure_off_exports_every_batch_and_silence_does_not(tiny_setup, zero_noise, exposure):
+    """Budget 1, five FedSGD rounds over about three batches per client: SILENCE empties the repeats' exports,
+    OFF carries every batch (the noise-alone measurement) and reports nothing silenced."""
+    model, build, _, evaluate = tiny_setup
+    shards = dirichlet_split(load_corpus("train")[:24], 2, 1.0, seed=0, min_size=4)
+    config = UtilityConfig(clients=2, rounds=5, batch_size=4, eval_every=5, lr=1e-2, attack_clients=2,
+                           exposure=exposure)
+    log = federate(model, "aegis-utility", shards, build, evaluate, Algorithm.FEDSGD, config, torch.device("cpu"))
+    epochs = [len(s) // 4 for s in shards]
+    carried = {(c.round, c.client): bool(c.grads["transformer.wte.weight"].any()) for c in log.captures}
+    fresh = {(r, c): r <= epochs[c] for r, c in carried}  # budget 1: a client's first epoch is fresh
+    assert not all(fresh.values())  # some attacked export repeats its examples
+    if exposure is ExposurePolicy.OFF:
+        assert all(carried.values()) and log.silenced_steps == log.silenced_exports == 0
+    else:
+        assert carried == fresh and log.silenced_exports == sum(max(0, 5 - e) for e in epochs)
+
+
+def test_exposure_setting_is_recorded_checked_and_merged_apart():
+    assert UtilityConfig().as_dict()["exposure"] == "silence"
+    assert UtilityConfig(exposure=ExposurePolicy.OFF).as_dict()["exposure"] == "off"
+    with pytest.raises(UsageError, match="--exposure"):
+        UtilityConfig(exposure=ExposurePolicy.REFUSE)  # a long run would stop at the first repeat
+    silence = _result()
+    off = _result(settings=UtilityConfig(rounds=2, clients=2, exposure=ExposurePolicy.OFF).as_dict())
+    with pytest.raises(ValueError, match="exposure"):
+        merge(silence, off)
+    older = _result(settings={k: v for k, v in silence["settings"].items() if k != "exposure"})
+    assert merge(older, silence)["settings"]["exposure"] == "silence"  # files from before the option
+
+
 # -- results, figures, page ---------------------------------------------------------------------------------------
 
 
@@ -226,6 +270,17 @@ def test_figures_and_page_are_written(tmp_path):
     assert "learning_curves.png" in page and "frontier.png" in page and "25%" in page
     assert result["statements"][0].split(":")[0] in page
     assert not math.isnan(result["summary"][1]["ratio"])
+    assert "not a private setting" not in page
+
+
+def test_page_says_exposure_off_is_no_private_setting(tmp_path):
+    from aegis.audit.report import ReportWriter
+
+    result = _result(settings=UtilityConfig(rounds=2, clients=2, exposure=ExposurePolicy.OFF).as_dict())
+    result["machine"]["cpu_noise"] = "tests.fast_noise.keyed_normals"
+    page = ReportWriter(tmp_path).finish_utility(result)[3].read_text()
+    assert "Exposure budget OFF: a measurement of the noise alone, not a private setting" in page
+    assert "tests.fast_noise.keyed_normals (not the ChaCha stream)" in page
 
 
 def test_cli_refuses_bad_options_in_one_line():
@@ -234,7 +289,8 @@ def test_cli_refuses_bad_options_in_one_line():
     from aegis.cli import app
 
     for args, option in ((["--device", "gpu"], "--device"), (["--algorithms", "fedprox"], "--algorithms"),
-                         (["--clients", "0"], "--clients"), (["--defences", "aegis-best"], "--defences")):
+                         (["--clients", "0"], "--clients"), (["--defences", "aegis-best"], "--defences"),
+                         (["--exposure", "refuse"], "--exposure")):
         out = CliRunner().invoke(app, ["utility", *args])
         assert out.exit_code == 2 and f"error: {option}" in out.output, out.output
 

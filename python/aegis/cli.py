@@ -381,6 +381,10 @@ def utility(
     clients: int | None = typer.Option(None, help="clients with non-identical data (default 8; --quick 2)"),
     local_steps: int | None = typer.Option(None, "--local-steps", help="FedAvg local steps (default: one epoch)"),
     eval_every: int | None = typer.Option(None, "--eval-every", help="rounds between evaluations (default 10)"),
+    exposure: str = typer.Option("silence", show_default=False,
+                                 help="AEGIS's exposure budget: silence (default: over-budget steps export pure "
+                                 "noise) or off (every step exports its batch: a measurement of the noise "
+                                 "alone, not a private setting)"),
     append: bool = typer.Option(False, "--append", help="merge into the study already in --out"),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ) -> None:
@@ -389,6 +393,7 @@ def utility(
     A command of its own rather than ``audit --utility``: its runs are hundreds of rounds (the audit's are a
     few), and --rounds, --clients and the algorithms mean other things than the audit's options."""
     from aegis.audit.options import UsageError, split_names
+    from aegis.exposure import ExposurePolicy
     from aegis.utility import UtilityConfig
     from aegis.utility.study import study
 
@@ -402,6 +407,9 @@ def utility(
     try:
         if device not in ("cpu", "cuda"):
             raise UsageError("--device", f"unknown {device!r}; choose from cpu, cuda")
+        if exposure not in ("silence", "off"):
+            raise UsageError("--exposure", f"unknown {exposure!r}; choose from silence, off")
+        changes["exposure"] = ExposurePolicy(exposure)
         try:
             config = UtilityConfig.quick(**changes) if quick else UtilityConfig(**changes)
         except UsageError:

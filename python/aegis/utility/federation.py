@@ -38,12 +38,12 @@ def lr_at(round_: int, config: UtilityConfig) -> float:
     return config.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_defence(name: str | AegisConfig) -> Defence:
-    """One client's defence. AEGIS keeps its exposure budget and silences over-budget steps."""
+def make_defence(name: str | AegisConfig, exposure: ExposurePolicy = ExposurePolicy.SILENCE) -> Defence:
+    """One client's defence. AEGIS silences over-budget steps, or (``OFF``) tracks no budget at all."""
     if isinstance(name, AegisConfig):  # a candidate configuration (aegis calibrate)
-        return Aegis(name.replace(exposure=ExposurePolicy.SILENCE))
+        return Aegis(name.replace(exposure=exposure))
     if name.startswith("aegis-"):
-        return Aegis(AegisConfig(preset=name.partition("-")[2], exposure=ExposurePolicy.SILENCE))
+        return Aegis(AegisConfig(preset=name.partition("-")[2], exposure=exposure))
     from ..baselines import make_defence as baseline
 
     return baseline(name)
@@ -140,8 +140,10 @@ def federate(
     clients = []
     for c, shard in enumerate(shards):
         local = copy.deepcopy(model).to(device).eval()
-        d = make_defence(defence).attach(local)
-        budget = d.config.exposures if isinstance(d, Aegis) else None
+        d = make_defence(defence, config.exposure).attach(local)
+        # the mirror counts what the shield silences; with the budget off nothing is
+        silences = isinstance(d, Aegis) and d.config.exposure is ExposurePolicy.SILENCE
+        budget = d.config.exposures if silences else None
         stream = BatchStream(shard, config.batch_size, config.seed * 1000 + c)
         clients.append(Client(local, d, stream, ExposureMirror(budget) if budget else None))
     # what the clients train (AEGIS froze attention on theirs); the global model moves only there

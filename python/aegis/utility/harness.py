@@ -16,7 +16,7 @@ from ..audit.options import AuditConfig
 from ..audit.runner import batch_builder, load_model
 from ..data import LABELS, load_corpus
 from . import privacy
-from .config import UtilityConfig
+from .config import CHACHA, UtilityConfig
 from .evaluate import evaluator, metric_of
 from .federation import federate
 from .results import statements, summarise
@@ -38,7 +38,18 @@ def machine(device: torch.device) -> dict:
         out["card"] = torch.cuda.get_device_name(device)
     else:  # timings on shared cores mean little without what else ran
         out["load_average"] = round(os.getloadavg()[0], 2)
+        out["cpu_noise"] = cpu_noise()
     return out
+
+
+def cpu_noise() -> str:
+    """Where the CPU flood's normals come from: the shipped cipher, or what a benchmark swapped in for it."""
+    import aegis_kernels.reference as reference
+
+    source = reference.noise_components
+    if source.__module__ == reference.__name__:
+        return CHACHA
+    return f"{source.__module__}.{source.__qualname__}"
 
 
 def load(kind: str, config: UtilityConfig):

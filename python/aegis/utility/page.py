@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 from ..audit.report import _CSS, _e, _num
+from .config import CHACHA
+from .results import BEFORE
 
 
 def _ratio(value: float | None) -> str:
@@ -29,9 +31,33 @@ def _settings(result: dict) -> str:
         f"{s['lr']:g} (warmup {s['warmup']:.0%} of the rounds, cosine to {s['min_lr_share']:g}x), evaluation every "
         f"{s['eval_every']} rounds on {result['data']['validation_used']} held-out sentences never trained on; "
         f"attacks on {min(s['attack_clients'], s['clients'])} client(s)' exports at rounds {rounds}. "
-        f"Machine: {_e(where)}, torch {_e(m.get('torch', ''))}. Wall time {result.get('wall_seconds', 0):.0f} s."
+        f"Machine: {_e(where)}, torch {_e(m.get('torch', ''))}.{_noise(m)} "
+        f"Wall time {result.get('wall_seconds', 0):.0f} s."
         f"{'' if result.get('complete') else ' <b>Incomplete run</b>: the rows below finished.'}</p>"
     )
+
+
+def _exposure(result: dict) -> str:
+    """What AEGIS's exposure budget did in this study, and (budget off) why its numbers are no privacy claim."""
+    if result["settings"].get("exposure", BEFORE["exposure"]) == "off":
+        return (
+            "<b>Exposure budget OFF: a measurement of the noise alone, not a private setting.</b> Every AEGIS "
+            "export carries its batch, however often the example was exported before; each repeat averages the "
+            "noise down, so past one exposure per example the preset's promise no longer holds and the attack "
+            "rows (where run) understate what a server averaging the repeats could read. The run shows what the "
+            "presets' signal-to-noise caps alone cost in utility."
+        )
+    return (
+        "AEGIS keeps its exposure budget: a step whose batch holds an example already exported the budgeted "
+        "number of times is <i>silenced</i> (pure noise leaves, nothing is learnt); the share of silenced exports "
+        "is shown per run."
+    )
+
+
+def _noise(machine: dict) -> str:
+    """The CPU flood's normals, when they are not the shipped cipher (a benchmark's --fast-noise)."""
+    source = machine.get("cpu_noise")
+    return "" if source in (None, CHACHA) else f" CPU flood normals: {_e(source)} (not the ChaCha stream)."
 
 
 def _note(a: dict) -> str:
@@ -49,9 +75,7 @@ def utility_html(result: dict, curves: str | None, frontier: str | None) -> str:
         "the same non-identical client data; the curves are the global model on held-out sentences. A defence "
         "meets the bar when its final validation perplexity is at most 1.05x the undefended run's (accuracy at "
         "least 0.98x for the classifier) <i>and</i> every attack stays within max(0.05, null + 0.05) at every "
-        "attacked round. AEGIS keeps its exposure budget: a step whose batch holds an example already exported "
-        "the budgeted number of times is <i>silenced</i> (pure noise leaves, nothing is learnt); the share of "
-        "silenced exports is shown per run. DP-SGD's ε is Opacus's RDP accountant at δ, sampling rate 1.</div>",
+        f"attacked round. {_exposure(result)} DP-SGD's ε is Opacus's RDP accountant at δ, sampling rate 1.</div>",
         _settings(result),
         "<h2>The bar</h2><ul>",
         *(f"<li>{_e(line)}</li>" for line in result.get("statements", [])),

@@ -16,7 +16,9 @@ PPL_BAR = 1.05
 ACC_BAR = 0.98
 # settings that must agree for runs of two invocations to share one curve plot
 SAME = ("clients", "rounds", "batch_size", "local_steps", "optimizer", "lr", "warmup", "min_lr_share",
-        "dirichlet_alpha", "seed", "max_eval")
+        "dirichlet_alpha", "seed", "max_eval", "exposure")
+# what a setting meant in result files written before it existed
+BEFORE = {"exposure": "silence"}
 
 
 def _value(run: dict) -> float:
@@ -91,7 +93,8 @@ def write(result: dict, path: Path) -> None:
 def merge(old: dict, new: dict) -> dict:
     """``new``'s runs replace ``old``'s of the same model x algorithm x defence; the rest are kept. Runs of
     different settings do not mix (one curve plot, one bar)."""
-    differ = [k for k in SAME if old["settings"].get(k) != new["settings"].get(k)]
+    setting = lambda s, k: s.get(k, BEFORE.get(k))  # noqa: E731
+    differ = [k for k in SAME if setting(old["settings"], k) != setting(new["settings"], k)]
     if differ:
         raise ValueError(
             f"--append: the existing result was run with other settings ({', '.join(differ)}): use the same "
