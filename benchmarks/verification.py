@@ -25,6 +25,8 @@ replacing only the cells (model, setting, B, N) this run measures.
 from __future__ import annotations
 
 import argparse
+import copy
+import itertools
 import json
 import math
 import platform
@@ -52,16 +54,16 @@ PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(10000)]  # distinct: 7
 ROWS = ("token_embedding", "position_embedding", "lm_head", "token_embedding_lora", "head")
 
 
-def settings(sweep: tuple[float, ...] = ()) -> dict[str, tuple[AegisConfig, int]]:
+def settings(sweep: tuple[float, ...] = (), exposures: tuple[int, ...] = ()) -> dict[str, tuple[AegisConfig, int]]:
     """name -> (config, exports averaged). Exposure tracking is off: the attacker is handed K exports.
-    ``sweep``: the paper preset with every rows flood (embeddings, LM head, classifier) capped at these snr."""
+    ``sweep``: the paper preset with every rows flood (embeddings, LM head, classifier) capped at these snr.
+    ``exposures``: further K within each preset's budget (K = 1 and the budget itself are always there)."""
     base = dict(exposure=ExposurePolicy.OFF)
     out = {}
     for preset in PRESETS:
-        out[f"{preset} K=1"] = (AegisConfig(preset=preset, **base), 1)
         budget = PRESET_EXPOSURES[preset]
-        if budget > 1:
-            out[f"{preset} K={budget}"] = (AegisConfig(preset=preset, **base), budget)
+        for k in sorted({1, budget, *(k for k in exposures if k <= budget)}):
+            out[f"{preset} K={k}"] = (AegisConfig(preset=preset, **base), k)
         for k in (4 * budget, 16 * budget):  # past the promise: the shield would refuse these exports
             out[f"past budget: {preset} K={k}"] = (AegisConfig(preset=preset, **base), k)
     weak = Treatment("rows", lam=1.0, rho=0.3)
@@ -112,18 +114,21 @@ def tasks(batch_size: int, n: int, pool: list, filler: list) -> dict[str, list[C
 
 
 def verification(model_name: str, arch: str, device: torch.device, trials: int, chosen: dict, sizes, batch_sizes,
-                 log, rows: list[dict], save, done: frozenset = frozenset()) -> None:
+                 log, rows: list[dict], save, done: frozenset = frozenset(), repeats: int = 1) -> None:
     """Every cell of one model, appended to ``rows`` and saved as it completes (a cut-off run keeps them);
-    cells in ``done`` (model, its class name, setting, B, N, task) are skipped."""
+    cells in ``done`` (model, its class name, setting, B, N, task, repeat) are skipped. A repeat measures the
+    same cell again with fresh keys (the candidates and targets are fixed by the cell)."""
     corpus = load_corpus("train")
+    built, tok = build(model_name)
+    built.to(device)
     for setting, (config, k) in chosen.items():
         for n in sizes:
             for batch_size in batch_sizes:
-                for task, cands in tasks(batch_size, n, corpus[:160], corpus[200:]).items():
-                    if (model_name, arch, setting, batch_size, n, task) in done:
+                for (task, cands), repeat in itertools.product(tasks(batch_size, n, corpus[:160], corpus[200:]).items(),
+                                                              range(repeats)):
+                    if (model_name, arch, setting, batch_size, n, task, repeat) in done:
                         continue
-                    model, tok = build(model_name)
-                    model.to(device)
+                    model = copy.deepcopy(built)  # a fresh, unshielded model per cell
                     if model_name != "encoder":
                         cands = [Candidate(c.texts) for c in cands]
                     shield = aegis.protect(model, config=config)
@@ -136,9 +141,9 @@ def verification(model_name: str, arch: str, device: torch.device, trials: int, 
                     for variant, r in results.items():
                         rows.append(dict(model=model_name, arch=arch, setting=setting, task=task, batch_size=batch_size,
                                          candidates=n, exports=k, variant=variant, accuracy=r.accuracy, null=r.null,
-                                         mean_rank=r.mean_rank, trials=r.trials))
+                                         mean_rank=r.mean_rank, trials=r.trials, repeat=repeat))
                     scored = time.time() - start - exported
-                    log(f"{model_name:8s} {setting:26s} {task:8s} N={n:<5d} B={batch_size} K={k}: "
+                    log(f"{model_name:8s} {setting:26s} {task:8s} N={n:<5d} B={batch_size} K={k} #{repeat}: "
                         + " ".join(f"{v} {r.accuracy:.3f}" for v, r in results.items())
                         + f" (null {1 / n:.3f}; exports {exported:.0f} s, scores {scored:.0f} s)")
                     save()
@@ -219,6 +224,8 @@ def main() -> None:
     parser.add_argument("--fast-noise", action="store_true", help="keyed torch.randn instead of the cipher (CPU)")
     parser.add_argument("--skip-labels", action="store_true")
     parser.add_argument("--snr-sweep", default="", help="comma-separated rows snr caps to add as settings")
+    parser.add_argument("--exposures", default="", help="comma-separated K within the presets' budgets to add")
+    parser.add_argument("--repeats", type=int, default=1, help="independent runs (fresh keys) of every cell")
     parser.add_argument("--settings", default="",
                         help="comma-separated name prefixes to run (default: all), e.g. 'paper,past budget: utility'")
     parser.add_argument("--append", action="store_true", help="merge into an existing result file in --out")
@@ -235,8 +242,8 @@ def main() -> None:
     card = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     sizes = [int(x) for x in args.candidates.split(",")]
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-    if min(sizes) < 2 or min(batch_sizes) < 1 or args.trials < 1:
-        parser.error("--candidates N >= 2, --batch-sizes B >= 1 and --trials >= 1")
+    if min(sizes) < 2 or min(batch_sizes) < 1 or args.trials < 1 or args.repeats < 1:
+        parser.error("--candidates N >= 2, --batch-sizes B >= 1, --trials >= 1 and --repeats >= 1")
     if args.resume and not args.append:
         parser.error("--resume continues a result file: pass --append too")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -250,7 +257,8 @@ def main() -> None:
         with progress.open("a") as f:
             f.write(line + "\n")
 
-    chosen = settings(tuple(float(x) for x in args.snr_sweep.split(",") if x))
+    chosen = settings(tuple(float(x) for x in args.snr_sweep.split(",") if x),
+                      tuple(int(x) for x in args.exposures.split(",") if x))
     if args.settings:
         prefixes = tuple(args.settings.split(","))
         chosen = {k: v for k, v in chosen.items() if k.startswith(prefixes)}
@@ -261,8 +269,8 @@ def main() -> None:
     rows = [r for r in old["verification"]
             if (r["model"], r["setting"], r["batch_size"], r.get("candidates", 40)) not in measured
             or args.resume and r.get("arch") == archs[r["model"]]]
-    done = frozenset((r["model"], r.get("arch"), r["setting"], r["batch_size"], r.get("candidates", 40), r["task"])
-                     for r in rows) if args.resume else frozenset()
+    done = frozenset((r["model"], r.get("arch"), r["setting"], r["batch_size"], r.get("candidates", 40), r["task"],
+                      r.get("repeat", 0)) for r in rows) if args.resume else frozenset()
     label_rows = [
         r for r in old["labels"] if r["setting"] not in chosen and (r["setting"] != "none K=1" or args.skip_labels)
     ]
@@ -274,7 +282,8 @@ def main() -> None:
         tmp.replace(path)
 
     for name in models:
-        verification(name, archs[name], device, args.trials, chosen, sizes, batch_sizes, log, rows, save, done)
+        verification(name, archs[name], device, args.trials, chosen, sizes, batch_sizes, log, rows, save, done,
+                     args.repeats)
     if not args.skip_labels:
         labels(device, chosen, log, label_rows, save)
     for p in pooled(rows):
