@@ -276,9 +276,11 @@ def test_figures_and_page_are_written(tmp_path):
 def test_page_says_exposure_off_is_no_private_setting(tmp_path):
     from aegis.audit.report import ReportWriter
 
-    result = _result(settings=UtilityConfig(rounds=2, clients=2, exposure=ExposurePolicy.OFF).as_dict())
+    settings = UtilityConfig(rounds=2, clients=2, exposure=ExposurePolicy.OFF, attacks=()).as_dict()
+    result = _result(settings=settings)
     result["machine"]["cpu_noise"] = "tests.fast_noise.keyed_normals"
     page = ReportWriter(tmp_path).finish_utility(result)[3].read_text()
+    assert "no attacks run." in page and "exports at rounds" not in page
     assert "Exposure budget OFF: a measurement of the noise alone, not a private setting" in page
     assert "tests.fast_noise.keyed_normals (not the ChaCha stream)" in page
 

@@ -30,11 +30,17 @@ def _settings(result: dict) -> str:
         f"rounds, batch {s['batch_size']}, FedAvg with {e} per round, {_e(s['optimizer'])} at peak lr "
         f"{s['lr']:g} (warmup {s['warmup']:.0%} of the rounds, cosine to {s['min_lr_share']:g}x), evaluation every "
         f"{s['eval_every']} rounds on {result['data']['validation_used']} held-out sentences never trained on; "
-        f"attacks on {min(s['attack_clients'], s['clients'])} client(s)' exports at rounds {rounds}. "
+        f"{_attacked(s, rounds)} "
         f"Machine: {_e(where)}, torch {_e(m.get('torch', ''))}.{_noise(m)} "
         f"Wall time {result.get('wall_seconds', 0):.0f} s."
         f"{'' if result.get('complete') else ' <b>Incomplete run</b>: the rows below finished.'}</p>"
     )
+
+
+def _attacked(s: dict, rounds: str) -> str:
+    if s.get("attacks") == []:  # --attacks '': a utility-only study
+        return "no attacks run."
+    return f"attacks on {min(s['attack_clients'], s['clients'])} client(s)' exports at rounds {rounds}."
 
 
 def _exposure(result: dict) -> str:
