@@ -7,7 +7,8 @@ Attacks (the server holds the model and the public defence configuration, never 
   ``spectral`` (given the shield's public noise levels and K); null: the same attack on a random
   gradient of matched per-tensor norms (``aegis.metrics.null_baseline``);
 * ``labels`` (MiniLM encoder, label-multiset accuracy from the head gradient, the head's public rho as
-  gain); null: ``label_null`` (uniform guesses);
+  gain); null: the attack's own guesses scored against the other batches' labels, with the permutation
+  p-value (``aegis.attacks.labels.label_test``; needs two label batches at least);
 * ``fingerprint`` (decoder, the likelihood variant of 1-of-N verification of "my pin is ____",
   ``aegis.attacks.candidates``); null: 1/N.
 
@@ -42,7 +43,7 @@ import aegis  # noqa: E402
 from aegis import AegisConfig, ExposurePolicy, Treatment  # noqa: E402
 from aegis.attacks import dager, embedding_norm, mlp_span, shared_gradient, spectral  # noqa: E402
 from aegis.attacks.candidates import Verifier, secret_candidates, verification_accuracy  # noqa: E402
-from aegis.attacks.labels import label_accuracy, label_leak, label_null  # noqa: E402
+from aegis.attacks.labels import label_leak, label_test  # noqa: E402
 from aegis.attacks.repeated import averaged_export  # noqa: E402
 from aegis.config import PRESET_EXPOSURES  # noqa: E402
 from aegis.data import LABELS, load_corpus  # noqa: E402
@@ -114,12 +115,14 @@ class Curve:
         shield = aegis.protect(model, config=config)
         head = shield.public_params().get("classifier.weight")  # the adaptive attacker's gain: the head's rho
         gain = 1.0 if head is None else max(head[0], 1e-6)
-        score = 0.0
+        preds, truths = [], []
         for batch in self.label_batches:
             texts, truth = [e.text for e in batch], [LABELS.index(e.label) for e in batch]
             grads = averaged_export(lambda t=texts, y=truth: shared_gradient(model, t, tok, shield=shield, labels=y), k)
-            score += label_accuracy(label_leak(model, grads, len(batch), gain=gain).labels, truth)
-        return {"score": score / len(self.label_batches), "null": label_null(len(LABELS), self.batch_size)}
+            preds.append(label_leak(model, grads, len(batch), gain=gain).labels)
+            truths.append(truth)
+        test = label_test(preds, truths, len(LABELS))
+        return {"score": test.accuracy, "null": test.null, "p_value": test.p_value}
 
     def _fingerprint(self, config, k):
         model, tok = self.decoder, self.tok
@@ -260,8 +263,9 @@ def main(argv=None) -> None:
     args.label_batches = args.label_batches or (2 if quick else 8)
     args.candidates = args.candidates or (10 if quick else 40)
     args.trials = min(args.trials or (2 if quick else 10), args.candidates)
-    if min(args.sentences, args.label_batches, args.trials, args.batch_size) < 1 or args.candidates < 2:
-        parser.error("--sentences, --label-batches, --trials, --batch-size >= 1 and --candidates >= 2")
+    if min(args.sentences, args.trials, args.batch_size) < 1 or args.label_batches < 2 or args.candidates < 2:
+        parser.error("--sentences, --trials, --batch-size >= 1, --label-batches >= 2 (the label null pairs "
+                     "guesses with other batches) and --candidates >= 2")
     device = torch.device(args.device)
     if not args.cipher:
         import aegis_kernels.reference as ref
@@ -290,6 +294,7 @@ def main(argv=None) -> None:
         "candidates": args.candidates, "trials": args.trials, "quick": quick, "seed": args.seed,
         "lams": list(lams), "rhos": list(RHOS), "exposures": list(exposures), "budgets": dict(PRESET_EXPOSURES),
         "metric": {a: "rouge1" for a in TEXT_ATTACKS} | {"labels": "accuracy", "fingerprint": "accuracy"},
+        "label_null": "the attack's guesses against the other batches' labels (label_test)",
     }
     old = json.loads(path.read_text()) if args.resume and path.exists() else {}
     same = all(old.get(k) == v for k, v in settings.items() if k not in ("card", "budgets"))

@@ -5,6 +5,7 @@ import json
 import pytest
 
 import benchmark_scripts
+from fast_noise import fast_noise  # noqa: F401  (fixture)
 from aegis.config import PRESET_EXPOSURES
 
 
@@ -47,3 +48,22 @@ def test_text_points_are_scored_from_stored_reconstructions(curve):
                     "null_predictions": [[], ["the cat sat"]]} for name in curve.TEXT_ATTACKS}
     assert curve.score_text({"k": point})
     assert point["dager"]["score"] == pytest.approx(0.5) and point["dager"]["null"] == pytest.approx(0.5)
+
+
+@pytest.mark.slow  # an encoder and eight masked exports: ~20 s on a quiet core
+def test_label_point_is_scored_against_its_own_guesses_chance_level(curve, fast_noise):
+    """The label null pairs the attack's guesses with other batches (label_test), not uniform guesses."""
+    from types import SimpleNamespace
+
+    from aegis.data import LABELS, load_corpus
+    from aegis.models import default_encoder
+
+    model, tok = default_encoder(num_labels=len(LABELS))
+    examples = load_corpus("train")
+    batches = [[next(e for e in examples[i:] if e.label == label)] for i in (0, 50) for label in LABELS]
+    ctx = SimpleNamespace(encoder=model, etok=tok, label_batches=batches)
+    point = curve.Curve._labels(ctx, curve.uniform(0.0, 0.3), 1)  # signal, no noise: the attack reads the head
+    # 8 batches of one example, two per label: the true pairing scores 1, any other guess/batch pair 1/7
+    assert point["score"] == 1.0
+    assert point["null"] == pytest.approx(1 / 7)
+    assert 0.0 < point["p_value"] <= 0.01
