@@ -5,8 +5,8 @@ import json
 import pytest
 
 import benchmark_scripts
-from fast_noise import fast_noise  # noqa: F401  (fixture)
 from aegis.config import PRESET_EXPOSURES
+from fast_noise import fast_noise  # noqa: F401  (fixture)
 
 
 @pytest.fixture(scope="module")
