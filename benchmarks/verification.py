@@ -18,6 +18,11 @@ uniform guessing's (``null`` in the label rows). Chance of a 1-of-N guess is 1/N
 
     python benchmarks/verification.py                   # on CUDA: the Triton floods, the real cipher
     python benchmarks/verification.py --fast-noise      # CPU: keyed torch.randn instead of ChaCha
+    python benchmarks/verification.py --models llama --batch-sizes 8 --settings "paper K=,utility K=1" \
+        --exposures 2 --repeats 6 --skip-labels         # K = 1, 2, 4 of paper; six fresh-key runs per cell
+
+A weak leak shows in the pool of many trials before any cell of 40 crosses its bar: ``--repeats`` measures
+every cell again with fresh keys (the candidates and targets stay those of the cell).
 
 Writes verification-<card>.json to --out (default benchmarks/results); ``--append`` merges into it,
 replacing only the cells (model, setting, B, N) this run measures.
