@@ -10,11 +10,11 @@ import torch
 
 import aegis
 from aegis.attacks import shared_gradient
-from aegis.attacks.candidates import Candidate, Verifier, secret_candidates, verification_accuracy
+from aegis.attacks.candidates import Candidate, Verifier, score_accuracy, secret_candidates, verification_accuracy
 from aegis.attacks.fingerprint import FingerprintAttack, lm_batch
 from aegis.attacks.per_example import per_example_gradients, supported
-from aegis.attacks.repeated import averaged_export
-from aegis.config import AegisConfig, Calibration, Treatment
+from aegis.attacks.repeated import averaged_export, joint_scores
+from aegis.config import AegisConfig, Calibration, ExposurePolicy, Treatment
 from aegis.data import load_corpus
 from aegis.models import default_decoder
 from fast_noise import fast_noise  # noqa: F401  (fixture)
@@ -138,6 +138,66 @@ def test_k_exports_scored_as_their_mean(gpt2, fast_noise):
     wrong = Verifier(model, tok, cfg)
     assert wrong.scores([wrong.observe(mean)], cands, ("level",))["level"].min() > \
         right.scores([right.observe(mean)], cands, ("level",))["level"].min() + 1e3
+
+
+def _rounds(model, tok, cfg, cands, truths, count, drift=0.0):
+    """One export of each truth per round under one shield (fresh step keys); between rounds the MLP
+    moves by ``drift`` (seeded), as other clients' updates move a federated model. -> [(verifier, obs)]"""
+    gen = torch.Generator().manual_seed(0)
+    shield = aegis.protect(model, config=cfg)
+    out = []
+    for _ in range(count):
+        verifier = Verifier(model, tok, cfg)  # the server knows the model of every round it sent
+        out.append((verifier, [verifier.observe(shared_gradient(model, list(cands[t].texts), tok, shield=shield))
+                               for t in truths]))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".mlp." in name:
+                    p.add_(drift * torch.randn(p.shape, generator=gen))
+    shield.remove()
+    return out
+
+
+def test_rounds_at_one_model_rank_as_their_mean(gpt2, fast_noise):
+    """Summed per-round log-likelihoods of three exports differ between candidates exactly as the
+    likelihood of their mean does (read with sigma / sqrt 3)."""
+    model, tok = gpt2
+    weak = Treatment("rows", lam=1.0, rho=0.3, snr=0.5)
+    cfg = AegisConfig(seed=17, exposure=ExposurePolicy.OFF, overrides={r: weak for r in ROWS})
+    cands = secret_candidates("my pin is {}", PINS[:8])
+    shield = aegis.protect(model, config=cfg)
+    exports = [shared_gradient(model, list(cands[5].texts), tok, shield=shield) for _ in range(3)]
+    shield.remove()
+    one = Verifier(model, tok, cfg)
+    joint = joint_scores([(one, [one.observe(e)]) for e in exports], cands, ("likelihood",))["likelihood"]
+    replay = iter(exports)
+    mean = averaged_export(lambda: next(replay), 3)
+    k3 = Verifier(model, tok, cfg, exposures=3)
+    averaged = k3.scores([k3.observe(mean)], cands, ("likelihood",))["likelihood"]
+    assert torch.allclose(joint - joint[:, :1], averaged - averaged[:, :1], rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="one export"):
+        joint_scores([(k3, [k3.observe(mean)])], cands)
+
+
+def test_rounds_of_a_moving_model_add_up(gpt2, fast_noise):
+    """Rows snr 0.5, the MLP drifting between rounds: one round misses the PIN, four rounds (each scored
+    at its own model) find it every time; the exposure budget is what stops this (exposure OFF here)."""
+    model, tok = gpt2
+    weak = Treatment("rows", lam=1.0, rho=0.3, snr=0.5)
+    cfg = AegisConfig(seed=21, exposure=ExposurePolicy.OFF, overrides={r: weak for r in ROWS})
+    cands, truths = secret_candidates("my pin is {}", PINS[:20]), [3, 13, 17]
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        rounds = _rounds(model, tok, cfg, cands, truths, 4, drift=1e-3)
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(saved[n])
+    one = score_accuracy(joint_scores(rounds[:1], cands, ("likelihood",)), truths)["likelihood"]
+    four = score_accuracy(joint_scores(rounds, cands, ("likelihood",)), truths)["likelihood"]
+    assert one.accuracy < 1.0 and four.accuracy == 1.0, (one.ranks, four.ranks)
+    with pytest.raises(ValueError, match="same trials"):
+        joint_scores([rounds[0], (rounds[1][0], rounds[1][1][:1])], cands)
 
 
 def test_bad_input_is_named(gpt2):

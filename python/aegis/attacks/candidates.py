@@ -304,11 +304,17 @@ def verification_accuracy(verifier: Verifier, observations: Sequence[Observation
         raise ValueError(f"{len(truths)} truths for {len(observations)} observations: give one per observation")
     if len(candidates) < 2:
         raise ValueError(f"{len(candidates)} candidate(s): a 1-of-N test needs at least 2")
-    scores = verifier.scores(observations, candidates, variants)
+    return score_accuracy(verifier.scores(observations, candidates, variants), truths)
+
+
+def score_accuracy(scores: Mapping[str, Tensor], truths: Sequence[int]) -> dict[str, FingerprintResult]:
+    """Per variant of (trials, N) scores (lower = likelier): how often trial j ranks ``truths[j]`` first."""
     out = {}
-    for v in variants:
-        rows = [scores[v][j].tolist() for j in range(len(truths))]
+    for v, s in scores.items():
+        if s.shape[0] != len(truths):
+            raise ValueError(f"{s.shape[0]} scored trials for {len(truths)} truths: give one truth per trial")
+        rows = [s[j].tolist() for j in range(len(truths))]
         shares = [top_share(r, t) for r, t in zip(rows, truths)]
         ranks = [rank_of_truth(r, t) for r, t in zip(rows, truths)]
-        out[v] = FingerprintResult(sum(shares) / len(shares), 1 / len(candidates), ranks, len(candidates), v)
+        out[v] = FingerprintResult(sum(shares) / len(shares), 1 / s.shape[1], ranks, s.shape[1], v)
     return out
