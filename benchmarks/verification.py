@@ -21,6 +21,9 @@ uniform guessing's (``null`` in the label rows). Chance of a 1-of-N guess is 1/N
     python benchmarks/verification.py --models llama --batch-sizes 8 --settings "paper K=,utility K=1" \
         --exposures 2 --repeats 6 --skip-labels         # K = 1, 2, 4 of paper; six fresh-key runs per cell
 
+    python benchmarks/verification.py --settings "paper K=4,past budget" --drift 1e-3 --skip-labels
+                                                        # the K exports from K rounds of a moving model
+
 A weak leak shows in the pool of many trials before any cell of 40 crosses its bar: ``--repeats`` measures
 every cell again with fresh keys (the candidates and targets stay those of the cell).
 
@@ -47,10 +50,10 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
 import aegis  # noqa: E402
 from aegis import AegisConfig, Calibration, ExposurePolicy, Treatment  # noqa: E402
 from aegis.attacks import shared_gradient  # noqa: E402
-from aegis.attacks.candidates import Candidate, Verifier, verification_accuracy  # noqa: E402
+from aegis.attacks.candidates import Candidate, Verifier, score_accuracy, verification_accuracy  # noqa: E402
 from aegis.attacks.fingerprint import VARIANTS  # noqa: E402
 from aegis.attacks.labels import label_accuracy, label_leak, label_null  # noqa: E402
-from aegis.attacks.repeated import averaged_export  # noqa: E402
+from aegis.attacks.repeated import averaged_export, joint_scores  # noqa: E402
 from aegis.config import PRESET_EXPOSURES, PRESETS  # noqa: E402
 from aegis.data import LABELS, load_corpus  # noqa: E402
 from aegis.models import default_decoder, default_encoder  # noqa: E402
@@ -81,7 +84,8 @@ def settings(sweep: tuple[float, ...] = (), exposures: tuple[int, ...] = ()) -> 
     out["no signal: rho 0"] = (AegisConfig(preset="paper", overrides={r: silent for r in ROWS}, **base), 1)
     for snr in sweep:
         capped = Treatment("rows", lam=1.0, rho=0.3, snr=snr)
-        out[f"rows snr {snr} K=1"] = (AegisConfig(preset="paper", overrides={r: capped for r in ROWS}, **base), 1)
+        for k in (1, 4):  # K = 4: the positive control of the moving-model rounds (--drift)
+            out[f"rows snr {snr} K={k}"] = (AegisConfig(preset="paper", overrides={r: capped for r in ROWS}, **base), k)
     return out
 
 
@@ -119,14 +123,20 @@ def tasks(batch_size: int, n: int, pool: list, filler: list) -> dict[str, list[C
 
 
 def verification(model_name: str, arch: str, device: torch.device, trials: int, chosen: dict, sizes, batch_sizes,
-                 log, rows: list[dict], save, done: frozenset = frozenset(), repeats: int = 1) -> None:
+                 log, rows: list[dict], save, done: frozenset = frozenset(), repeats: int = 1,
+                 drift: float | None = None) -> None:
     """Every cell of one model, appended to ``rows`` and saved as it completes (a cut-off run keeps them);
     cells in ``done`` (model, its class name, setting, B, N, task, repeat) are skipped. A repeat measures the
-    same cell again with fresh keys (the candidates and targets are fixed by the cell)."""
+    same cell again with fresh keys (the candidates and targets are fixed by the cell). ``drift``: the K
+    exports come from K rounds of a moving model instead (settings with K > 1 only, named "... moving")."""
     corpus = load_corpus("train")
     built, tok = build(model_name)
     built.to(device)
     for setting, (config, k) in chosen.items():
+        if drift is not None:
+            if k == 1:
+                continue
+            setting = f"{setting} moving"
         for n in sizes:
             for batch_size in batch_sizes:
                 for (task, cands), repeat in itertools.product(tasks(batch_size, n, corpus[:160], corpus[200:]).items(),
@@ -139,10 +149,15 @@ def verification(model_name: str, arch: str, device: torch.device, trials: int, 
                     shield = aegis.protect(model, config=config)
                     truths = [round(i * n / trials) for i in range(min(trials, n))]
                     start = time.time()
-                    verifier = Verifier(model, tok, config, exposures=k)
-                    observations = [verifier.observe(_export(model, tok, shield, cands[t], k)) for t in truths]
-                    exported = time.time() - start
-                    results = verification_accuracy(verifier, observations, truths, cands)
+                    if drift is None:
+                        verifier = Verifier(model, tok, config, exposures=k)
+                        observations = [verifier.observe(_export(model, tok, shield, cands[t], k)) for t in truths]
+                        exported = time.time() - start
+                        results = verification_accuracy(verifier, observations, truths, cands)
+                    else:
+                        rounds = _moving_rounds(model, tok, shield, config, cands, truths, k, drift, repeat)
+                        exported = time.time() - start
+                        results = score_accuracy(joint_scores(rounds, cands), truths)
                     for variant, r in results.items():
                         rows.append(dict(model=model_name, arch=arch, setting=setting, task=task, batch_size=batch_size,
                                          candidates=n, exports=k, variant=variant, accuracy=r.accuracy, null=r.null,
@@ -152,6 +167,22 @@ def verification(model_name: str, arch: str, device: torch.device, trials: int, 
                         + " ".join(f"{v} {r.accuracy:.3f}" for v, r in results.items())
                         + f" (null {1 / n:.3f}; exports {exported:.0f} s, scores {scored:.0f} s)")
                     save()
+
+
+def _moving_rounds(model, tok, shield, config, cands, truths, k: int, drift: float, seed: int) -> list:
+    """K rounds: each truth's batch exported once per round and observed by a Verifier on that round's
+    model (the server knows every model it sent); between rounds every trainable parameter moves by
+    ``drift`` times its RMS in a seeded random direction (the other clients' updates)."""
+    gen = torch.Generator().manual_seed(seed)
+    rounds = []
+    for _ in range(k):
+        verifier = Verifier(model, tok, config)
+        rounds.append((verifier, [verifier.observe(_export(model, tok, shield, cands[t], 1)) for t in truths]))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(drift * p.pow(2).mean().sqrt() * torch.randn(p.shape, generator=gen).to(p.device))
+    return rounds
 
 
 def _export(model, tok, shield, candidate: Candidate, k: int) -> dict:
@@ -231,6 +262,9 @@ def main() -> None:
     parser.add_argument("--snr-sweep", default="", help="comma-separated rows snr caps to add as settings")
     parser.add_argument("--exposures", default="", help="comma-separated K within the presets' budgets to add")
     parser.add_argument("--repeats", type=int, default=1, help="independent runs (fresh keys) of every cell")
+    parser.add_argument("--drift", type=float, default=None,
+                        help="K > 1 settings only: the K exports come from K rounds of a model moving by this "
+                             "share of each parameter's RMS per round, scored jointly (attacks.repeated.joint_scores)")
     parser.add_argument("--settings", default="",
                         help="comma-separated name prefixes to run (default: all), e.g. 'paper,past budget: utility'")
     parser.add_argument("--append", action="store_true", help="merge into an existing result file in --out")
@@ -249,6 +283,8 @@ def main() -> None:
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     if min(sizes) < 2 or min(batch_sizes) < 1 or args.trials < 1 or args.repeats < 1:
         parser.error("--candidates N >= 2, --batch-sizes B >= 1, --trials >= 1 and --repeats >= 1")
+    if args.drift is not None and not args.drift > 0:
+        parser.error(f"--drift {args.drift}: a positive share of each parameter's RMS per round, e.g. 1e-3")
     if args.resume and not args.append:
         parser.error("--resume continues a result file: pass --append too")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -270,7 +306,8 @@ def main() -> None:
     old = json.loads(path.read_text()) if args.append and path.exists() else {"verification": [], "labels": []}
     models = args.models.split(",")
     archs = {m: type(build(m)[0]).__name__ for m in models}  # a cell measured on another class is not done
-    measured = {(m, s, b, n) for m in models for s in chosen for b in batch_sizes for n in sizes}
+    named = [f"{s} moving" for s, (_, k) in chosen.items() if k > 1] if args.drift is not None else list(chosen)
+    measured = {(m, s, b, n) for m in models for s in named for b in batch_sizes for n in sizes}
     rows = [r for r in old["verification"]
             if (r["model"], r["setting"], r["batch_size"], r.get("candidates", 40)) not in measured
             or args.resume and r.get("arch") == archs[r["model"]]]
@@ -288,7 +325,7 @@ def main() -> None:
 
     for name in models:
         verification(name, archs[name], device, args.trials, chosen, sizes, batch_sizes, log, rows, save, done,
-                     args.repeats)
+                     args.repeats, args.drift)
     if not args.skip_labels:
         labels(device, chosen, log, label_rows, save)
     for p in pooled(rows):
