@@ -285,6 +285,17 @@ def test_page_says_exposure_off_is_no_private_setting(tmp_path):
     assert "tests.fast_noise.keyed_normals (not the ChaCha stream)" in page
 
 
+def test_page_names_the_algorithms_the_study_ran(tmp_path):
+    from aegis.audit.report import ReportWriter
+
+    for algorithms, present, absent in ((("fedsgd",), "FedSGD (one step per round)", "FedAvg"),
+                                        (("fedavg",), "FedAvg with E = 2 local steps", "FedSGD"),
+                                        (("fedsgd", "fedavg"), "FedSGD (one step per round) and FedAvg", None)):
+        settings = UtilityConfig(rounds=2, clients=2, local_steps=2, algorithms=algorithms).as_dict()
+        page = ReportWriter(tmp_path / "_".join(algorithms)).finish_utility(_result(settings=settings))[3].read_text()
+        assert present in page and (absent is None or absent not in page.split("clients (Dirichlet")[1][:400])
+
+
 def test_cli_refuses_bad_options_in_one_line():
     from typer.testing import CliRunner
 

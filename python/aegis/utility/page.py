@@ -24,10 +24,9 @@ def _settings(result: dict) -> str:
     s, m = result["settings"], result.get("machine", {})
     rounds = ", ".join(map(str, result["attacked_rounds"]))
     where = m.get("card") or f"CPU ({m.get('cpu_cores')} cores, {m.get('threads')} torch threads)"
-    e = "one local epoch" if not s.get("local_steps") else f"E = {s['local_steps']} local steps"
     return (
         f"<p>{s['clients']} clients (Dirichlet split of the topics, alpha {s['dirichlet_alpha']}), {s['rounds']} "
-        f"rounds, batch {s['batch_size']}, FedAvg with {e} per round, {_e(s['optimizer'])} at peak lr "
+        f"rounds, batch {s['batch_size']}, {_algorithms(s)}, {_e(s['optimizer'])} at peak lr "
         f"{s['lr']:g} (warmup {s['warmup']:.0%} of the rounds, cosine to {s['min_lr_share']:g}x), evaluation every "
         f"{s['eval_every']} rounds on {result['data']['validation_used']} held-out sentences never trained on; "
         f"{_attacked(s, rounds)} "
@@ -35,6 +34,13 @@ def _settings(result: dict) -> str:
         f"Wall time {result.get('wall_seconds', 0):.0f} s."
         f"{'' if result.get('complete') else ' <b>Incomplete run</b>: the rows below finished.'}</p>"
     )
+
+
+def _algorithms(s: dict) -> str:
+    """The algorithms this study ran: FedSGD (one step per round) and / or FedAvg with its local steps."""
+    e = "one local epoch" if not s.get("local_steps") else f"E = {s['local_steps']} local steps"
+    names = {"fedsgd": "FedSGD (one step per round)", "fedavg": f"FedAvg with {e} per round"}
+    return " and ".join(names[a] for a in s.get("algorithms", ("fedsgd", "fedavg")))
 
 
 def _attacked(s: dict, rounds: str) -> str:
