@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -85,23 +86,9 @@ def config_from(args: argparse.Namespace) -> UtilityConfig:
         raise UsageError("--algorithms", f"{err}: use fedsgd and/or fedavg") from None
 
 
-def use_fast_noise() -> None:
-    """The CPU flood draws keyed torch.randn (the attacks read only the noise's law, which is unchanged)."""
-    from pathlib import Path
-
-    import aegis_kernels.reference as reference
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.fast_noise
-    from tests.fast_noise import keyed_normals
-
-    reference.noise_components = keyed_normals
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.redraw:  # e.g. after a call that ran out of time: report.json holds every finished run
-        from pathlib import Path
-
         from aegis.audit.report import ReportWriter
         from aegis.utility.results import refresh
 
@@ -122,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.fast_noise:
-        use_fast_noise()
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.fast_noise
+        from tests import fast_noise
+
+        fast_noise.install()
     started = time.time()
 
     def say(line: str) -> None:

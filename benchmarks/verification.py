@@ -273,10 +273,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     if args.fast_noise:
-        import aegis_kernels.reference as ref
-        from tests.fast_noise import keyed_normals
+        from tests import fast_noise
 
-        ref.noise_components = keyed_normals
+        fast_noise.install()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     card = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     sizes = [int(x) for x in args.candidates.split(",")]

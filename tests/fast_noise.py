@@ -22,6 +22,11 @@ def keyed_normals(n: int, key: torch.Tensor, offset: int, per: int, device) -> t
     return za, (torch.randn(n, generator=generator).to(device) if per == 2 else None)
 
 
+def install() -> None:
+    """For a whole benchmark process (``--fast-noise``): the CPU flood draws these normals from now on."""
+    ref.noise_components = keyed_normals
+
+
 @pytest.fixture(scope="module")
 def fast_noise():
     mp = pytest.MonkeyPatch()
