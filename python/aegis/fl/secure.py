@@ -1,0 +1,340 @@
+"""Client side of AEGIS over Flower's SecAgg+: a noise share per client, the server sees only the sum.
+
+Each client floods its update with the shield's public parameters but ``sigma / sqrt(t)``
+(:func:`noise_share`), where ``t`` is the smallest number of survivors *the client* accepts
+(:class:`SurvivorPin`), never a number the server sends. The sum over ``n >= t`` survivors then carries
+noise of standard deviation ``sigma * sqrt(n / t) >= sigma`` per entry: at least one full flood.
+
+The client is three layers, outermost first (``@app.train(mods=[SecureGuard(pin), secaggplus_mod])``
+around :class:`SecureTrainer`):
+
+* :class:`SecureGuard` answers only SecAgg+ stages and refuses (error reply, nothing sent) a round
+  whose setup asks for less than the pin: a reconstruction threshold below ``t`` or not above half the
+  shares (a server that tells different clients different dropouts could otherwise rebuild one
+  client's mask), fewer than ``t`` sampled clients, a modulus that overflows for the sampled count, a
+  weight that does not quantise exactly, peers outside the client's allow-list (sybils), fewer than
+  ``t`` neighbours at any later stage, or being told it dropped. On the way out it lets through only
+  the SecAgg+ record and the legacy FitRes fields with public constants (``num_examples`` 1, no
+  metrics, status OK and empty): nothing travels in the clear.
+* Flower's ``secaggplus_mod`` quantises and masks (with :mod:`aegis.fl.secagg_patch`'s cipher).
+* :class:`SecureTrainer` trains (FedSGD: one batch; FedAvg: E local SGD steps, reply = pseudo-gradient
+  ``(global - local) / lr``), floods each step with the share, and checks before replying that the
+  server's ``clipping_range`` covers every entry's signal bound plus 8 standard deviations of its noise.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app.message_type import MessageType
+from flwr.common import bytes_to_ndarray
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from torch import Tensor, nn
+
+from ..config import AegisConfig, Calibration
+from ..defence import Batch, LossFn, lm_loss
+from ..shield import Shield, protect
+from . import secagg_patch
+from .client import refuse
+
+# The legacy FitRes layout the SecAgg+ workflow reads (flwr.compat's fitres_to_recorddict), with the
+# only values an AEGIS client sends in the clear: public constants.
+FITRES_PARAMETERS, FITRES_NUM_EXAMPLES = "fitres.parameters", "fitres.num_examples"
+FITRES_METRICS, FITRES_STATUS = "fitres.metrics", "fitres.status"
+FITINS_PARAMETERS, FITINS_CONFIG = "fitins.parameters", "fitins.config"
+NUM_EXAMPLES = 1  # the SecAgg+ weight of every client: the server gets the plain mean of the survivors
+MAX_WEIGHT = float(NUM_EXAMPLES)  # weight / max_weight = 1 quantises exactly
+CLIP_SDS = 8.0  # the clipping range must cover signal + this many standard deviations of the share
+SETUP_KEY = "aegis-secagg-setup"  # this client's copy of the accepted setup (Context.state, never sent)
+_REPLY_KEYS = {  # what each stage may send: the SecAgg+ record's fields
+    Stage.SETUP: {Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2},
+    Stage.SHARE_KEYS: {Key.DESTINATION_LIST, Key.CIPHERTEXT_LIST},
+    Stage.COLLECT_MASKED_VECTORS: {Key.MASKED_PARAMETERS},
+    Stage.UNMASK: {Key.NODE_ID_LIST, Key.SHARE_LIST},
+}
+
+
+@dataclass(frozen=True)
+class SurvivorPin:
+    """What a client accepts of a secure round.
+
+    min_survivors:  t, the fewest clients whose sum the server may learn; the client's noise share is
+                    ``sigma / sqrt(t)`` of the flood, so the sum of ``n >= t`` shares is at least one flood.
+    peers:          node ids of the clients it trusts to add their own share (an allow-list from outside
+                    the server, e.g. Flower's node authentication); any other node in the round is refused.
+                    None: every node the server names counts toward t (sybils the server runs then do too).
+    """
+
+    min_survivors: int
+    peers: frozenset[int] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.min_survivors, int) or self.min_survivors < 2:
+            raise ValueError(
+                f"min_survivors={self.min_survivors!r}: pin at least 2 survivors (with 1 the server sees this "
+                "client's update alone); the noise share is sigma / sqrt(min_survivors)"
+            )
+        if self.peers is not None:
+            object.__setattr__(self, "peers", frozenset(int(p) for p in self.peers))
+            if len(self.peers) < self.min_survivors:
+                raise ValueError(
+                    f"peers: {len(self.peers)} trusted node(s) cannot make min_survivors={self.min_survivors}: "
+                    "list more peers or lower the pin"
+                )
+
+    @property
+    def share(self) -> float:
+        """The noise share: the factor on the flood's sigma."""
+        return 1.0 / math.sqrt(self.min_survivors)
+
+
+# -- the share -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def noise_share(shield: Shield, scale: float) -> Iterator[Tensor]:
+    """For the ``mask_()`` calls in the block: the shield's public (rho, sigma, clip, thr) table with
+    sigma times ``scale`` (1/sqrt(t) for a share; 0 gives the bare signal rho clip(G), for attacks).
+
+    Yields the table the floods use (a copy). Needs the public calibration (the batch calibration's
+    sigma reads the private gradient, so no share of it can be sized in advance). Calibrates first
+    when the table is due, so the shield does not recalibrate over the scaled table inside the block."""
+    if shield.config.calibration is not Calibration.PUBLIC:
+        raise ValueError("secure rounds need AegisConfig(calibration=Calibration.PUBLIC): the batch "
+                         "calibration's sigma depends on the private batch, so no share of it can be sized")
+    if not 0.0 <= scale <= 1.0:
+        raise ValueError(f"scale={scale}: a noise share is a factor in [0, 1] on the flood's sigma")
+    if shield._params is None or shield._step - shield._calibrated_step >= shield.config.refresh_every:
+        shield.calibrate()
+    table = shield._params
+    if table is None:  # nothing flooded
+        yield torch.zeros(0, 4)
+        return
+    saved = table.clone()
+    table[:, 1] *= scale
+    try:
+        yield table.detach().cpu().clone()
+    finally:
+        table.copy_(saved)
+
+
+def entry_bound(tables: Sequence[Tensor]) -> float:
+    """The largest entry an update of these steps can take, with the shares' noise at CLIP_SDS sd:
+    sum over steps of rho * clip (every clipped row or tensor bounds each entry) plus CLIP_SDS times
+    the root sum of the steps' sigma^2, maximised over tensors."""
+    if not tables or tables[0].numel() == 0:
+        return 0.0
+    t = torch.stack([x.double() for x in tables])  # (steps, tensors, 4)
+    signal = (t[..., 0] * t[..., 2]).sum(0)
+    noise = t[..., 1].pow(2).sum(0).sqrt()
+    bound = signal + CLIP_SDS * noise
+    if not bool(torch.isfinite(bound).all()):
+        raise ValueError("the shield's public table has a non-finite clip or sigma: no clipping range covers it")
+    return float(bound.max())
+
+
+def check_quantisation(*, clipping_range: float, quantization_range: int, modulus_range: int,
+                       max_weight: float, clients: int, bound: float | None = None) -> None:
+    """Raise (naming the parameter and the fix) unless SecAgg+'s quantisation is exact for this round:
+    the weight quantises exactly, the modulus holds the sum of ``clients`` quantised updates, and
+    (given ``bound``, the largest entry of an update) the clipping range covers every entry."""
+    if max_weight != MAX_WEIGHT:
+        raise ValueError(
+            f"max_weight={max_weight}: AEGIS clients send the public weight {NUM_EXAMPLES}, which quantises "
+            f"exactly only with SecAggPlusWorkflow(max_weight={MAX_WEIGHT})"
+        )
+    if quantization_range < 2 or modulus_range & (modulus_range - 1):
+        raise ValueError(f"quantization_range={quantization_range}, modulus_range={modulus_range}: use a power-of-two "
+                         "modulus_range and quantization_range >= 2")
+    if clients * quantization_range >= modulus_range:
+        need = 1 << (clients * quantization_range).bit_length()
+        raise ValueError(
+            f"modulus_range={modulus_range}: the sum of {clients} updates quantised to [0, {quantization_range}] "
+            f"overflows it; use SecAggPlusWorkflow(modulus_range={need}) or fewer clients per round"
+        )
+    if bound is not None and not clipping_range >= bound:
+        raise ValueError(
+            f"clipping_range={clipping_range}: the update's entries reach {bound:.4g} (signal + {CLIP_SDS:g} sd of "
+            f"the noise share) and SecAgg+ would clip them silently; use SecAggPlusWorkflow(clipping_range >= "
+            f"{bound:.4g}) (aegis.fl.secure_rounds.required_clipping_range)"
+        )
+
+
+# -- the guard -------------------------------------------------------------------------------------
+class SecureGuard:
+    """Outermost client mod of a secure round (see the module docstring): refuses setups below the
+    pin, sybils and shrunken survivor sets, and anything in the clear on the way out."""
+
+    def __init__(self, pin: SurvivorPin) -> None:
+        self.pin = pin
+
+    def __call__(self, msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+        if msg.metadata.message_type != MessageType.TRAIN:
+            return refuse(msg, "a secure AEGIS client answers SecAgg+ train rounds only")
+        try:
+            secagg_patch.require_installed()
+            stage = self._check_in(msg, context)
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            return refuse(msg, str(err))
+        try:
+            reply = call_next(msg, context)
+        except Exception as err:  # noqa: BLE001 - whatever failed, nothing of this round may leave
+            return refuse(msg, f"{type(err).__name__}: {err}")
+        if reply.has_error():
+            return reply
+        problem = _clear_text(reply.content, stage)
+        return reply if problem is None else refuse(msg, problem)
+
+    def _check_in(self, msg: Message, context: Context) -> str:
+        """The stage of an acceptable incoming message; raises why one is not."""
+        configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+        if configs is None or not isinstance(configs.get(Key.STAGE), str):
+            raise ValueError("not a SecAgg+ message: a secure client never sends its update outside SecAgg+")
+        stage, t, node = configs[Key.STAGE], self.pin.min_survivors, msg.metadata.dst_node_id
+        if stage == Stage.SETUP:
+            setup = {k: configs.get(k) for k in (Key.SAMPLE_NUMBER, Key.SHARE_NUMBER, Key.THRESHOLD,
+                                                Key.CLIPPING_RANGE, Key.TARGET_RANGE, Key.MOD_RANGE, Key.MAX_WEIGHT)}
+            threshold, shares, sampled = setup[Key.THRESHOLD], setup[Key.SHARE_NUMBER], setup[Key.SAMPLE_NUMBER]
+            if threshold < t:
+                raise ValueError(f"reconstruction_threshold={threshold} is below this client's pin of {t} survivors: "
+                                 f"use SecAggPlusWorkflow(reconstruction_threshold >= {t})")
+            if 2 * threshold <= shares:
+                raise ValueError(
+                    f"reconstruction_threshold={threshold} is not above half of num_shares={shares}: a server could "
+                    "rebuild one client's mask from two disjoint halves; raise it above num_shares / 2")
+            if sampled < t:
+                raise ValueError(f"{sampled} clients sampled, fewer than this client's pin of {t}")
+            check_quantisation(clipping_range=setup[Key.CLIPPING_RANGE], quantization_range=setup[Key.TARGET_RANGE],
+                               modulus_range=setup[Key.MOD_RANGE], max_weight=setup[Key.MAX_WEIGHT], clients=sampled)
+            context.state.config_records[SETUP_KEY] = ConfigRecord(setup)
+        elif SETUP_KEY not in context.state.config_records:
+            raise ValueError(f"stage {stage!r} without an accepted setup")
+        elif stage == Stage.SHARE_KEYS:
+            self._members({int(k) for k in configs if k != Key.STAGE} - {node}, node, stage)
+        elif stage == Stage.COLLECT_MASKED_VECTORS:
+            self._members(set(configs.get(Key.SOURCE_LIST, [])), node, stage)
+        elif stage == Stage.UNMASK:
+            active, dead = set(configs.get(Key.ACTIVE_NODE_ID_LIST, [])), set(configs.get(Key.DEAD_NODE_ID_LIST, []))
+            if node in dead or active & dead:
+                raise ValueError(f"the server lists this node or a neighbour as both active and dropped ({stage})")
+            self._members(active - {node}, node, stage)
+        return stage
+
+    def _members(self, others: set[int], node: int, stage: str) -> None:
+        """This node plus ``others`` must be at least t trusted clients."""
+        peers, t = self.pin.peers, self.pin.min_survivors
+        if peers is not None and others - peers:
+            raise ValueError(f"{stage}: node(s) {sorted(others - peers)[:5]} are not among this client's trusted "
+                             "peers (sybils count toward no pin)")
+        if len(others) + 1 < t:
+            raise ValueError(f"{stage}: {len(others) + 1} client(s) left, fewer than this client's pin of {t} "
+                             "survivors (the server claims dropouts to shrink the sum)")
+
+
+def _clear_text(content: RecordDict, stage: str) -> str | None:
+    """Why the outgoing content carries more than SecAgg+ needs in the clear, or None."""
+    allowed = {RECORD_KEY_CONFIGS}
+    if stage == Stage.COLLECT_MASKED_VECTORS:
+        allowed |= {FITRES_PARAMETERS, FITRES_NUM_EXAMPLES, FITRES_METRICS, FITRES_STATUS}
+    extra = sorted(set(content.keys()) - allowed)
+    if extra:
+        return f"record(s) {extra} would travel in the clear beside SecAgg+'s; a secure reply carries none"
+    fields = set(content.config_records[RECORD_KEY_CONFIGS].keys()) if RECORD_KEY_CONFIGS in content else set()
+    if fields != _REPLY_KEYS[stage]:
+        return f"the SecAgg+ record of stage {stage!r} has fields {sorted(fields)}, expected {sorted(_REPLY_KEYS[stage])}"
+    if stage != Stage.COLLECT_MASKED_VECTORS:
+        return None
+    if len(content.array_records.get(FITRES_PARAMETERS, {})):
+        return "the update's arrays are still in the reply after masking"
+    if dict(content.metric_records.get(FITRES_NUM_EXAMPLES, {})) != {"num_examples": NUM_EXAMPLES}:
+        return f"num_examples must be the public constant {NUM_EXAMPLES}"
+    if len(content.config_records.get(FITRES_METRICS, {})):
+        return "metrics would travel in the clear: a secure reply sends none"
+    if dict(content.config_records.get(FITRES_STATUS, {})) != {"code": 0, "message": ""}:
+        return "the status must be the constant OK with an empty message"
+    return None
+
+
+# -- the trainer -----------------------------------------------------------------------------------
+class SecureTrainer:
+    """The train function inside ``secaggplus_mod``: the update floods with the pin's noise share.
+
+    Reads the legacy FitIns (``fitins.parameters`` in ``names`` order, ``fitins.config`` with
+    ``server-round``, ``algorithm`` "fedsgd" | "fedavg", and for FedAvg ``local-steps`` and ``lr``) and
+    replies in the legacy FitRes layout with public constants. ``batches[(r - 1) % len]`` is round r's
+    batch (FedAvg: E consecutive batches from there). ``tables[r]``, ``batches_used[r]`` and ``updates[r]``
+    keep the flood tables, batches and update of round r (ground truth for the audit; never sent)."""
+
+    def __init__(self, model: nn.Module, batches: Sequence[Batch], pin: SurvivorPin, *,
+                 config: AegisConfig | None = None, loss_fn: LossFn = lm_loss) -> None:
+        self.model, self.batches, self.pin, self.loss_fn = model, list(batches), pin, loss_fn
+        self.shield = protect(model, None, config or AegisConfig())
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.tables: dict[int, list[Tensor]] = {}
+        self.batches_used: dict[int, list[Batch]] = {}
+        self.updates: dict[int, list[Tensor]] = {}
+
+    def __call__(self, msg: Message, context: Context) -> Message:
+        content = msg.content
+        config = content.config_records[FITINS_CONFIG]
+        server_round, algorithm = int(config["server-round"]), str(config.get("algorithm", "fedsgd"))
+        steps = int(config.get("local-steps", 1)) if algorithm == "fedavg" else 1
+        if algorithm not in ("fedsgd", "fedavg") or steps < 1:
+            raise ValueError(f"algorithm={algorithm!r}, local-steps={steps}: use fedsgd, or fedavg with >= 1 step")
+        self._load(content.array_records[FITINS_PARAMETERS])
+        params = [p for n, p in self.model.named_parameters() if p.requires_grad]
+        start = [p.detach().clone() for p in params]
+        lr = float(config.get("lr", 1.0))
+        tables, used = [], []
+        for s in range(steps):
+            batch = self.batches[(server_round - 1 + s) % len(self.batches)]
+            for p in self.model.parameters():
+                p.grad = None
+            self.loss_fn(self.model, batch).backward()
+            with noise_share(self.shield, self.pin.share) as table:
+                self.shield.mask_()
+            tables.append(table)
+            used.append(batch)
+            grads = self.shield.export()
+            if algorithm == "fedavg":
+                with torch.no_grad():
+                    for n, p in zip(self.names, params):
+                        p.sub_(grads[n], alpha=lr)
+        if algorithm == "fedavg":  # the pseudo-gradient: the sum of the E masked steps
+            update = [(s0 - p.detach()) / lr for s0, p in zip(start, params)]
+        else:
+            update = [grads[n] for n in self.names]
+        setup = context.state.config_records[SETUP_KEY]
+        check_quantisation(clipping_range=float(setup[Key.CLIPPING_RANGE]),
+                           quantization_range=int(setup[Key.TARGET_RANGE]), modulus_range=int(setup[Key.MOD_RANGE]),
+                           max_weight=float(setup[Key.MAX_WEIGHT]), clients=int(setup[Key.SAMPLE_NUMBER]),
+                           bound=entry_bound(tables))
+        self.tables[server_round], self.batches_used[server_round] = tables, used
+        self.updates[server_round] = [u.detach().cpu().clone() for u in update]
+        return Message(fitres_content(update), reply_to=msg)
+
+    def _load(self, record: ArrayRecord) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        arrays = list(record.values())
+        if len(arrays) != len(params):
+            raise ValueError(f"the server sent {len(arrays)} arrays for {len(params)} trainable parameters")
+        with torch.no_grad():
+            for p, a in zip(params, arrays):
+                value = torch.from_numpy(np.array(bytes_to_ndarray(a.data), dtype=np.float32))
+                if value.shape != p.shape:
+                    raise ValueError(f"the server sent shape {tuple(value.shape)} for one of shape {tuple(p.shape)}")
+                p.copy_(value)
+
+
+def fitres_content(update: Sequence[Tensor]) -> RecordDict:
+    """The legacy FitRes layout of an update with public constants: weight 1, no metrics, status OK."""
+    arrays = ArrayRecord({str(i): Array(u.detach().to("cpu", torch.float32).numpy()) for i, u in enumerate(update)})
+    return RecordDict({
+        FITRES_PARAMETERS: arrays,
+        FITRES_NUM_EXAMPLES: MetricRecord({"num_examples": NUM_EXAMPLES}),
+        FITRES_METRICS: ConfigRecord({}),
+        FITRES_STATUS: ConfigRecord({"code": 0, "message": ""}),
+    })

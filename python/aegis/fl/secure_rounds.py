@@ -1,0 +1,246 @@
+"""Secure FedSGD / FedAvg rounds over Flower's SecAgg+ in this process, every message serialised.
+
+:func:`run_secure_rounds` drives Flower's ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))`` with
+:class:`SecureStrategy` (a legacy strategy: SecAgg+ has no Message-API strategy) over a
+:class:`SerialisingGrid`, whose clients are :class:`~aegis.fl.secure.SecureTrainer` under
+``[SecureGuard, secaggplus_mod]``. The grid passes each message and reply through Flower's protobuf
+serde, as a real transport does: the workflow hands one record object to every node and
+``secaggplus_mod`` edits it in place, so without a copy every client after the first fails; the bytes
+are also the server's wire, kept for the audit.
+
+The strategy receives the weighted mean of the survivors' updates (every weight is 1: the plain mean)
+and steps the global model: FedSGD with a server optimizer on the mean gradient, FedAvg with
+``global - lr * mean pseudo-gradient`` (the mean of the local models).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from flwr.app import Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.client.mod import secaggplus_mod
+from flwr.common import FitIns, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.server import LegacyContext, ServerConfig
+from flwr.server.strategy import Strategy
+from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+from torch import Tensor, nn
+
+from ..config import AegisConfig
+from ..defence import Batch, LossFn, lm_loss
+from ..shield import protect
+from . import secagg_patch
+from .client import trainable_arrays
+from .secure import MAX_WEIGHT, SecureGuard, SecureTrainer, SurvivorPin, check_quantisation, entry_bound, noise_share
+from .simulation import FIRST_NODE_ID, SUPERLINK_NODE_ID, InProcessGrid, flower_log_level, flower_runtime
+
+
+class SerialisingGrid(InProcessGrid):
+    """An :class:`InProcessGrid` that serialises every message and reply (Flower's protobuf serde).
+
+    ``wire`` keeps the serialised replies as the server received them: (node, stage, bytes)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.wire: list[tuple[int, str, bytes]] = []
+        self.set_run(SimpleNamespace(run_id=0))  # the legacy client manager reads grid.run.run_id only
+
+    def push_messages(self, messages):
+        return super().push_messages([_round_trip(m) for m in messages])
+
+    def pull_messages(self, message_ids):
+        replies = []
+        for reply in super().pull_messages(message_ids):
+            data = message_to_proto(reply).SerializeToString()
+            self.wire.append((reply.metadata.src_node_id, _stage(reply), data))
+            replies.append(_round_trip(reply))
+        return replies
+
+
+def _round_trip(msg: Message) -> Message:
+    return message_from_proto(message_to_proto(msg))
+
+
+def _stage(msg: Message) -> str:
+    if msg.has_error():
+        return "error"
+    configs = msg.content.config_records.get("secaggplus_configs")
+    return "?" if configs is None else _REPLY_STAGE.get(frozenset(configs.keys()), "?")
+
+
+_REPLY_STAGE = {frozenset({"pk1", "pk2"}): "setup", frozenset({"dsts", "ctxts"}): "share_keys",
+                frozenset({"masked_params"}): "collect_masked_vectors", frozenset({"nids", "shares"}): "unmask"}
+
+
+class SecureStrategy(Strategy):
+    """Legacy strategy for SecAgg+: every sampled client, the survivors' mean update, a global step.
+
+    algorithm:  "fedsgd" (server optimizer "sgd" | "adamw" at ``lr`` on the mean gradient) or "fedavg"
+                (clients take ``local_steps`` SGD steps at ``lr``; the server moves to the mean local model).
+    ``aggregates[r]`` is round r's mean update as the server received it; ``survivors[r]`` its count."""
+
+    def __init__(self, initial: Sequence[np.ndarray], *, algorithm: str = "fedsgd", optimizer: str = "sgd",
+                 lr: float = 0.1, local_steps: int = 1, min_clients: int = 2,
+                 on_round: Callable[[int, list[np.ndarray]], None] | None = None) -> None:
+        if algorithm not in ("fedsgd", "fedavg"):
+            raise ValueError(f"algorithm={algorithm!r}: use 'fedsgd' or 'fedavg'")
+        if optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer={optimizer!r}: use 'sgd' or 'adamw'")
+        self.algorithm, self.lr, self.local_steps, self.min_clients = algorithm, lr, local_steps, min_clients
+        self.params = [torch.nn.Parameter(torch.from_numpy(np.array(a, dtype=np.float32))) for a in initial]
+        make = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+        self.optimizer = make(self.params, lr=lr)
+        self.on_round = on_round
+        self.aggregates: dict[int, list[np.ndarray]] = {}
+        self.survivors: dict[int, int] = {}
+
+    def _parameters(self) -> Parameters:
+        return ndarrays_to_parameters([p.detach().numpy().copy() for p in self.params])
+
+    def initialize_parameters(self, client_manager):
+        return self._parameters()
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        clients = client_manager.sample(num_clients=client_manager.num_available(), min_num_clients=self.min_clients)
+        config = {"server-round": server_round, "algorithm": self.algorithm, "lr": self.lr,
+                  "local-steps": self.local_steps}
+        return [(c, FitIns(parameters, dict(config))) for c in clients]
+
+    def aggregate_fit(self, server_round, results, failures):
+        if not results:
+            return None, {}
+        mean = parameters_to_ndarrays(results[0][1].parameters)  # every survivor carries the same mean
+        self.aggregates[server_round], self.survivors[server_round] = mean, len(results)
+        if self.algorithm == "fedavg":
+            with torch.no_grad():
+                for p, m in zip(self.params, mean):
+                    p.sub_(torch.from_numpy(np.asarray(m, dtype=np.float32)), alpha=self.lr)
+        else:
+            for p, m in zip(self.params, mean):
+                p.grad = torch.from_numpy(np.asarray(m, dtype=np.float32))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.on_round is not None:
+            self.on_round(server_round, [p.detach().numpy().copy() for p in self.params])
+        return self._parameters(), {}
+
+    def configure_evaluate(self, server_round, parameters, client_manager):
+        return []
+
+    def aggregate_evaluate(self, server_round, results, failures):
+        return None, {}
+
+    def evaluate(self, server_round, parameters):
+        return None
+
+
+@dataclass
+class SecureRun:
+    """Result of :func:`run_secure_rounds`."""
+
+    strategy: SecureStrategy
+    grid: SerialisingGrid
+    trainers: list[SecureTrainer]
+    names: list[str]  # the trainable parameters, in the order of every array list
+    model: nn.Module  # the global model after the last round
+    sums: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # round -> survivors' sum (mean x count)
+
+
+def required_clipping_range(model: nn.Module, pin: SurvivorPin, config: AegisConfig | None = None,
+                            local_steps: int = 1, margin: float = 2.0) -> float:
+    """A clipping range for ``SecAggPlusWorkflow`` that covers an update of this model (public
+    calibration at its current weights), ``margin`` times the bound the clients check."""
+    shield = protect(_copy(model), None, config or AegisConfig())
+    with noise_share(shield, pin.share) as table:
+        return margin * entry_bound([table] * local_steps)
+
+
+def run_secure_rounds(
+    model: nn.Module,
+    client_batches: Sequence[Sequence[Batch]],
+    *,
+    rounds: int,
+    pin: SurvivorPin | Sequence[SurvivorPin],
+    config: AegisConfig | None = None,
+    algorithm: str = "fedsgd",
+    optimizer: str = "sgd",
+    lr: float = 0.1,
+    local_steps: int = 1,
+    num_shares: int | float = 1.0,
+    reconstruction_threshold: int | float | None = None,
+    clipping_range: float | None = None,
+    quantization_range: int = 2**22,
+    modulus_range: int = 2**32,
+    max_weight: float = MAX_WEIGHT,
+    loss_fn: LossFn = lm_loss,
+    absent: Callable[[int, Message], bool] | None = None,
+    extra_nodes: Mapping[int, Callable[[Message, Context], Message]] | None = None,
+    workflow: type[SecAggPlusWorkflow] = SecAggPlusWorkflow,
+    quiet: bool = True,
+) -> SecureRun:
+    """Secure rounds of ``len(client_batches)`` AEGIS clients on the in-process grid.
+
+    pin:                       each client's :class:`SurvivorPin` (one for all, or one per client).
+    num_shares, reconstruction_threshold, clipping_range, quantization_range, modulus_range, max_weight:
+                               ``SecAggPlusWorkflow``'s; the threshold defaults to the largest pin and the
+                               clipping range to :func:`required_clipping_range`. Checked before round 1.
+    absent(node_id, message):  True drops that message (a client that never answers that stage).
+    extra_nodes, workflow:     the audit's hooks: ClientApps the server runs itself (sybils), a
+                               ``SecAggPlusWorkflow`` subclass (a server that lies about dropouts).
+    """
+    secagg_patch.install()
+    n = len(client_batches)
+    pins = list(pin) if isinstance(pin, Sequence) else [pin] * n
+    if len(pins) != n:
+        raise ValueError(f"pin: {len(pins)} pins for {n} clients; give one, or one per client")
+    server_model = _copy(model)
+    protect(server_model, None, config or AegisConfig())  # the global arrays: attention frozen, as on clients
+    names = list(trainable_arrays(server_model).keys())
+    if reconstruction_threshold is None:
+        reconstruction_threshold = max(p.min_survivors for p in pins)
+    if clipping_range is None:
+        clipping_range = max(required_clipping_range(model, p, config, local_steps if algorithm == "fedavg" else 1)
+                             for p in pins)
+    nodes_total = n + len(extra_nodes or {})
+    check_quantisation(clipping_range=clipping_range, quantization_range=quantization_range,
+                       modulus_range=modulus_range, max_weight=max_weight, clients=nodes_total)
+
+    trainers, apps, contexts = [], {}, {}
+    for c, batches in enumerate(client_batches):
+        node = FIRST_NODE_ID + c
+        trainer = SecureTrainer(_copy(model), batches, pins[c], config=config, loss_fn=loss_fn)
+        app = ClientApp()
+        app.train(mods=[SecureGuard(pins[c]), secaggplus_mod])(trainer)
+        trainers.append(trainer)
+        apps[node] = app
+    apps.update(extra_nodes or {})
+    for node in apps:
+        contexts[node] = Context(run_id=0, node_id=node, node_config={}, state=RecordDict(), run_config={})
+    grid = SerialisingGrid(apps, contexts, absent=absent)
+
+    strategy = SecureStrategy([a.numpy() for a in trainable_arrays(server_model).values()], algorithm=algorithm,
+                              optimizer=optimizer, lr=lr, local_steps=local_steps, min_clients=nodes_total)
+    server_context = Context(run_id=0, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(), run_config={})
+    legacy = LegacyContext(server_context, config=ServerConfig(num_rounds=rounds), strategy=strategy)
+    fit = workflow(num_shares=num_shares, reconstruction_threshold=reconstruction_threshold,
+                   max_weight=max_weight, clipping_range=clipping_range, quantization_range=quantization_range,
+                   modulus_range=modulus_range)
+    with flower_runtime(), flower_log_level(logging.ERROR if quiet else None):
+        DefaultWorkflow(fit_workflow=fit)(grid, legacy)
+    with torch.no_grad():
+        params = dict(server_model.named_parameters())
+        for name, p in zip(names, strategy.params):
+            params[name].copy_(p)
+    sums = {r: {k: torch.from_numpy(np.asarray(a, dtype=np.float64)) * strategy.survivors[r]
+                for k, a in zip(names, mean)} for r, mean in strategy.aggregates.items()}
+    return SecureRun(strategy, grid, trainers, names, server_model, sums)
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
