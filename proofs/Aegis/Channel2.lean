@@ -11,8 +11,9 @@ shipped rows flood `floodRows ρ σ c thr G Z ω v i = rowCoef ρ c thr (G v) ·
 * `channel2_second_moment_active`:   `thr < ‖G v‖ → E‖out v‖² = (ρ min(1, c/‖G v‖))² ‖G v‖² + d σ²`
 * `channel2_second_moment_inactive`: `¬ thr < ‖G v‖ → E‖out v‖² = d σ²`
 * `channel2_second_moment_batch`:    `E‖out v‖² = ρ² [v ∈ S] ‖G v‖² + d (λ m̄)²`
-* `channel2_relative_inflation`:     batch: `(E‖out v‖² − d σ²) / (d σ²) ≤ ρ² / (d λ² τ²)`
-  (the paper's `ρ² C² / (d λ²)` with `C = 1/τ`, derived from the mechanism)
+* `channel2_relative_inflation`:     the paper's Theorem 2 (3): batch, Assumption 1
+  (`‖G u‖ ≤ C m̄` on `S`, any `C`, any `τ`) → `0 ≤ (E‖out v‖² − d σ²) / (d σ²) ≤ ρ² C² / (d λ²)`;
+  `channel2_relative_inflation_tau`: its corollary with the mechanism's `C = 1/τ`
 * `channel2_relative_inflation_public`: public: `(E‖out v‖² − d σ²) / (d σ²) ≤ ρ² c² / (d σ²)`
 * `channel2_rows_nonzero_ae`:        `σ ≠ 0 → ` a.s. no row of `out` is zero (public flood);
   `channel2_rows_nonzero_ae_batch`:  the same for the batch flood when `G ≠ 0`.
@@ -73,40 +74,75 @@ theorem channel2_second_moment_batch {V d : ℕ} (ρ lam τ : ℝ) (G : Fin V �
         + (d : ℝ) * (lam * mbarRows τ G) ^ 2 :=
   row_second_moment (if v ∈ active τ G then ρ else 0) (lam * mbarRows τ G) G Z hZ v
 
-/-- **Theorem 2 (relative inflation, the paper's calibration).** With `σ = λ m̄`, `0 < τ < 1`,
-`λ > 0` and `G ≠ 0`, the signal-to-noise ratio of every flooded row, read from its second
-moment, is at most `ρ² / (d λ² τ²)`: the paper's `ρ² C² / (d λ²)` with `C = 1 / τ`. -/
-theorem channel2_relative_inflation {V d : ℕ} (hd : 0 < d) (ρ lam τ : ℝ)
+/-- **Theorem 2 (3), as the paper states it.** Batch calibration `σ = λ m̄`, `λ > 0`, `m̄ > 0`,
+and the paper's Assumption 1 with any constant `C`: `‖G u‖ ≤ C m̄` for every active row `u ∈ S`.
+Then for every row `v` the relative inflation of its second moment,
+`(E‖out v‖² − d σ²) / (d σ²)` (`= ρ² [v ∈ S] ‖G v‖² / (d λ² m̄²)`), satisfies
+`0 ≤ … ≤ ρ² C² / (d λ²)`.
+
+No hypothesis on `τ`: `τ = 0` (every non-zero row active) is allowed; `m̄ > 0` is the paper's
+standing assumption (`mbarRows_pos` derives it from `G ≠ 0` and `τ < 1`). The bound is a ratio of
+*expected squared norms*; what it does not say about distinguishing rows is in
+`Aegis/Divergence.lean`. -/
+theorem channel2_relative_inflation {V d : ℕ} (hd : 0 < d) (ρ lam τ C : ℝ)
     (G : Fin V → Fin d → ℝ) (Z : Fin V → Fin d → Ω → ℝ) (hZ : ∀ v i, IsStdNormal μ (Z v i))
-    (hlam : 0 < lam) (hτ0 : 0 < τ) (hτ1 : τ < 1) (hG : ∃ v i, G v i ≠ 0) (v : Fin V) :
-    (∫ ω, sqNorm (floodRowsBatch ρ lam τ G Z ω v) ∂μ - (d : ℝ) * (lam * mbarRows τ G) ^ 2)
+    (hlam : 0 < lam) (hm : 0 < mbarRows τ G)
+    (hC : ∀ u ∈ active τ G, l2norm (G u) ≤ C * mbarRows τ G) (v : Fin V) :
+    0 ≤ (∫ ω, sqNorm (floodRowsBatch ρ lam τ G Z ω v) ∂μ - (d : ℝ) * (lam * mbarRows τ G) ^ 2)
         / ((d : ℝ) * (lam * mbarRows τ G) ^ 2)
-      ≤ ρ ^ 2 / ((d : ℝ) * lam ^ 2 * τ ^ 2) := by
+    ∧ (∫ ω, sqNorm (floodRowsBatch ρ lam τ G Z ω v) ∂μ - (d : ℝ) * (lam * mbarRows τ G) ^ 2)
+        / ((d : ℝ) * (lam * mbarRows τ G) ^ 2)
+      ≤ ρ ^ 2 * C ^ 2 / ((d : ℝ) * lam ^ 2) := by
   have hdpos : (0 : ℝ) < (d : ℝ) := by exact_mod_cast hd
-  have hm : 0 < mbarRows τ G := mbarRows_pos τ hτ1 G hG
   have hnum : ∫ ω, sqNorm (floodRowsBatch ρ lam τ G Z ω v) ∂μ - (d : ℝ) * (lam * mbarRows τ G) ^ 2
       = (if v ∈ active τ G then ρ else 0) ^ 2 * sqNorm (G v) := by
     rw [channel2_second_moment_batch ρ lam τ G Z hZ v]
     ring
   rw [hnum]
-  have hk : (if v ∈ active τ G then ρ else 0) ^ 2 ≤ ρ ^ 2 := by
-    split_ifs
-    · exact le_refl _
-    · nlinarith [sq_nonneg ρ]
-  have hs : τ ^ 2 * sqNorm (G v) ≤ mbarRows τ G ^ 2 := tau_sq_sqNorm_le τ hτ0.le hτ1 G v
-  have h0 : 0 ≤ τ ^ 2 * sqNorm (G v) := mul_nonneg (sq_nonneg τ) (sqNorm_nonneg (G v))
-  have step1 : (if v ∈ active τ G then ρ else 0) ^ 2 * (τ ^ 2 * sqNorm (G v))
-      ≤ ρ ^ 2 * (τ ^ 2 * sqNorm (G v)) :=
-    mul_le_mul_of_nonneg_right hk h0
-  have step2 : ρ ^ 2 * (τ ^ 2 * sqNorm (G v)) ≤ ρ ^ 2 * mbarRows τ G ^ 2 :=
-    mul_le_mul_of_nonneg_left hs (sq_nonneg ρ)
-  have hdl : 0 ≤ (d : ℝ) * lam ^ 2 := mul_nonneg hdpos.le (sq_nonneg lam)
-  have step3 := mul_le_mul_of_nonneg_left (le_trans step1 step2) hdl
   have hD : 0 < (d : ℝ) * (lam * mbarRows τ G) ^ 2 := mul_pos hdpos (pow_pos (mul_pos hlam hm) 2)
-  have hE : 0 < (d : ℝ) * lam ^ 2 * τ ^ 2 :=
-    mul_pos (mul_pos hdpos (pow_pos hlam 2)) (pow_pos hτ0 2)
+  have hE : 0 < (d : ℝ) * lam ^ 2 := mul_pos hdpos (pow_pos hlam 2)
+  refine ⟨div_nonneg (mul_nonneg (sq_nonneg _) (sqNorm_nonneg (G v))) hD.le, ?_⟩
+  -- the signal energy of row `v` is at most `ρ² C² m̄²` (zero when `v ∉ S`)
+  have hk : (if v ∈ active τ G then ρ else 0) ^ 2 * sqNorm (G v)
+      ≤ ρ ^ 2 * (C ^ 2 * mbarRows τ G ^ 2) := by
+    split_ifs with hv
+    · have h0 : 0 ≤ l2norm (G v) := l2norm_nonneg (G v)
+      have h1 := mul_self_le_mul_self h0 (hC v hv)
+      have h2 : sqNorm (G v) ≤ C ^ 2 * mbarRows τ G ^ 2 := by
+        rw [← sq_l2norm (G v)]
+        nlinarith [h1]
+      exact mul_le_mul_of_nonneg_left h2 (sq_nonneg ρ)
+    · have h0 : 0 ≤ ρ ^ 2 * (C ^ 2 * mbarRows τ G ^ 2) := by positivity
+      have h00 : (0 : ℝ) ^ 2 * sqNorm (G v) = 0 := by ring
+      linarith [h0, h00]
+  have step := mul_le_mul_of_nonneg_right hk hE.le
   apply div_le_div_of_cross _ _ _ _ hD hE
-  nlinarith [step3]
+  nlinarith [step]
+
+/-- **Theorem 2 (3) with `C = 1 / τ`** (corollary of `channel2_relative_inflation`). The batch
+calibration itself gives Assumption 1 with `C = 1/τ` (`norm_le_mbar_div_tau`, `0 < τ < 1`), so
+for `G ≠ 0` every row's relative inflation is at most `ρ² / (d λ² τ²)`.
+
+*Looseness.* This `C` holds for every gradient, so it is the worst case: at `τ = 0.01`,
+`ρ = 0.3`, `λ = 1`, `d = 768` the bound is `0.09 / 0.0768 ≈ 1.17`, order one, where the paper's
+`C ≈ 1` (rows of similar norm) gives `ρ² / (d λ²) ≈ 1.2 · 10⁻⁴`. It excludes `τ = 0`. -/
+theorem channel2_relative_inflation_tau {V d : ℕ} (hd : 0 < d) (ρ lam τ : ℝ)
+    (G : Fin V → Fin d → ℝ) (Z : Fin V → Fin d → Ω → ℝ) (hZ : ∀ v i, IsStdNormal μ (Z v i))
+    (hlam : 0 < lam) (hτ0 : 0 < τ) (hτ1 : τ < 1) (hG : ∃ v i, G v i ≠ 0) (v : Fin V) :
+    (∫ ω, sqNorm (floodRowsBatch ρ lam τ G Z ω v) ∂μ - (d : ℝ) * (lam * mbarRows τ G) ^ 2)
+        / ((d : ℝ) * (lam * mbarRows τ G) ^ 2)
+      ≤ ρ ^ 2 / ((d : ℝ) * lam ^ 2 * τ ^ 2) := by
+  have hm : 0 < mbarRows τ G := mbarRows_pos τ hτ1 G hG
+  have hC : ∀ u ∈ active τ G, l2norm (G u) ≤ (1 / τ) * mbarRows τ G := by
+    intro u _
+    have h := norm_le_mbar_div_tau τ hτ0 hτ1 G u
+    have he : (1 / τ) * mbarRows τ G = mbarRows τ G / τ := by ring
+    rw [he]
+    exact h
+  have h := (channel2_relative_inflation hd ρ lam τ (1 / τ) G Z hZ hlam hm hC v).2
+  have he : ρ ^ 2 * (1 / τ) ^ 2 / ((d : ℝ) * lam ^ 2) = ρ ^ 2 / ((d : ℝ) * lam ^ 2 * τ ^ 2) := by
+    ring
+  exact le_of_le_of_eq h he
 
 /-- **Theorem 2 (relative inflation, public calibration).** Under the default calibration the
 bound holds with public constants only: `(E‖out v‖² − d σ²) / (d σ²) ≤ ρ² c² / (d σ²)`, because

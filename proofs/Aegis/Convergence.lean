@@ -10,20 +10,22 @@ matrix flood of the gradient vector) is a biased, scaled gradient plus zero-mean
 * `biased_gradient_decomposition`: `E out = k g` with `k = ρ min(1, c/‖g‖)`, bias `(k − 1) g`,
   and `‖E out − g‖ = (1 − k) ‖g‖` for `0 ≤ ρ ≤ 1`, `c ≥ 0`.
 
-Convergence, in the form of the standard biased-SGD analysis (Ajalloeian & Stich 2020, Thm 2,
-specialised to this multiplicative bias and Gaussian noise):
+The paper's Proposition 1 is this decomposition (it states no rate). Beyond the paper, two
+lemmas of the standard biased-SGD analysis (Ajalloeian & Stich 2020, Thm 2), specialised to this
+multiplicative bias and Gaussian noise:
 
 * `biased_sgd_descent_step`: if `f` satisfies the descent inequality of an `L`-smooth function
   (`f y ≤ f x + ⟨∇f x, y − x⟩ + L/2 ‖y − x‖²`, an explicit hypothesis), one step
   `x ↦ x − η out` satisfies
   `E f(x − η out) ≤ f x − η k ‖∇f x‖² + L/2 η² (k² ‖∇f x‖² + d σ²)`;
-* `biased_sgd_bound`: telescoping these steps (with `L η k_t ≤ 1`),
-  `η/2 ∑_{t<T} k_t E‖∇f(x_t)‖² ≤ f(x₀) − f* + T · L/2 η² d σ²`.
+* `telescope_assumed_expected_descent`: a telescoping lemma about real sequences. *Given* the
+  per-step recursion `F (t+1) ≤ F t − η k_t Gn t + L/2 η² (k_t² Gn t + d σ²)` as a hypothesis
+  (with `L η k_t ≤ 1`), it sums it to
+  `η/2 ∑_{t<T} k_t Gn t ≤ F 0 − f* + T · L/2 η² d σ²`.
 
-The step from the first to the second (taking the expectation over `x_t` of the one-step bound,
-which holds for every fixed `x_t` because the step's noise is fresh) is the tower property; it is
-not formalised: `biased_sgd_bound` takes the per-step inequality of the expectations as its
-hypothesis `hstep`.
+It is not a convergence theorem for the flooded SGD: the recursion on `F t = E f(x_t)`,
+`Gn t = E ‖∇f(x_t)‖²` would follow from `biased_sgd_descent_step` at each fixed `x_t` by the tower
+property over the iterates, which is not formalised; the lemma assumes it (`hstep`).
 
 Written without a Lean toolchain at hand: not machine-checked where it was written.
 -/
@@ -167,8 +169,8 @@ theorem descent_step_coef {d : ℕ} (f : (Fin d → ℝ) → ℝ) (gradf : (Fin 
   rw [e1, e2, e3, e4, e5, e6, e7] at hmono
   linarith [hmono]
 
-/-- **Proposition 1 (one descent step).** Let `f` satisfy the descent inequality of an
-`L`-smooth function with gradient `gradf`. One SGD step on the flooded gradient,
+/-- **One descent step** (beyond the paper, which states no rate). Let `f` satisfy the descent
+inequality of an `L`-smooth function with gradient `gradf`. One SGD step on the flooded gradient,
 `x ↦ x − η out` with `out = floodVec ρ σ c (∇f x) Z`, satisfies
 `E f(x − η out) ≤ f x − η k ‖∇f x‖² + L/2 η² (k² ‖∇f x‖² + d σ²)`, `k = ρ min(1, c/‖∇f x‖)`. -/
 theorem biased_sgd_descent_step {d : ℕ} (f : (Fin d → ℝ) → ℝ)
@@ -196,12 +198,14 @@ theorem descent_telescope (a g : ℕ → ℝ) (α β : ℝ)
     push_cast
     linarith [ih, hT]
 
-/-- **Proposition 1 (convergence bound).** Let `F t = E f(x_t)`, `Gn t = E ‖∇f(x_t)‖²` and
-`k t ∈ [0, 1/(L η)]` the flood's signal coefficient at step `t`. If every step satisfies the
-expected descent bound of `biased_sgd_descent_step` and `f* ≤ F T`, then
-`η/2 ∑_{t<T} k t · Gn t ≤ F 0 − f* + T · L/2 η² d σ²`. With `k t = ρ` (no clip) this is
-`(1/T) ∑ E‖∇f(x_t)‖² ≤ 2 (f(x₀) − f*) / (η ρ T) + L η d σ² / ρ`. -/
-theorem biased_sgd_bound (T d : ℕ) (F Gn k : ℕ → ℝ) (η L σ fstar : ℝ) (hη : 0 ≤ η)
+/-- **Telescoping an assumed expected-descent recursion** (beyond the paper; not a convergence
+theorem). For real sequences `F`, `Gn`, `k` with `0 ≤ k t`, `L η k t ≤ 1`, `0 ≤ Gn t`: *if*
+`F (t+1) ≤ F t − η k t Gn t + L/2 η² (k t² Gn t + d σ²)` for every `t` (the hypothesis `hstep`,
+which is what `biased_sgd_descent_step` would give for `F t = E f(x_t)`, `Gn t = E ‖∇f(x_t)‖²`
+after the tower property, not formalised here) and `f* ≤ F T`, then
+`η/2 ∑_{t<T} k t · Gn t ≤ F 0 − f* + T · L/2 η² d σ²`. -/
+theorem telescope_assumed_expected_descent (T d : ℕ) (F Gn k : ℕ → ℝ) (η L σ fstar : ℝ)
+    (hη : 0 ≤ η)
     (hk : ∀ t, 0 ≤ k t) (hkL : ∀ t, L * η * k t ≤ 1) (hG : ∀ t, 0 ≤ Gn t)
     (hstep : ∀ t, F (t + 1)
       ≤ F t - η * k t * Gn t + L / 2 * η ^ 2 * (k t ^ 2 * Gn t + (d : ℝ) * σ ^ 2))

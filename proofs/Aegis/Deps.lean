@@ -39,6 +39,17 @@ open MeasureTheory ProbabilityTheory
 #check @measurable_id'
 #check @measurableSet_singleton
 
+-- the Gaussian density and the KL identity (Model, Divergence)
+#check @ProbabilityTheory.gaussianPDFReal
+#check @Real.log_exp
+#check @Real.exp_sub
+#check @Real.pi_pos
+#check @mul_div_mul_left
+#check @inv_ne_zero
+#check @NNReal.coe_zero
+#check @pow_ne_zero
+#check @le_of_le_of_eq
+
 -- finite sums
 #check @Finset.sum_congr
 #check @Finset.mul_sum
@@ -112,5 +123,7 @@ Hedged names (each used only as one alternative of a `first`):
   noAtoms_gaussianReal, nullSingletonClass_gaussianReal, measure_singleton,
   integral_const_mul, integral_mul_left, integral_smul, integral_const,
   le_of_mul_le_mul_right, mul_le_mul_right, Real.sqrt_le_sqrt, Fin.pos,
-  Submodule.sum_mem, sum_mem, Finset.sum_ite_eq, Finset.sum_ite_eq', Pi.zero_apply.
+  Submodule.sum_mem, sum_mem, Finset.sum_ite_eq, Finset.sum_ite_eq', Pi.zero_apply,
+  NNReal.coe_pos, pos_iff_ne_zero, NNReal.coe_eq_zero, memLp_one_iff_integrable,
+  ENNReal.one_ne_top, Finset.sum_div.
 -/

@@ -16,6 +16,16 @@ the theorems use:
 * `IsStdNormal.integral_sq_eq_one`: `∫ Z² = 1`;
 * `IsStdNormal.ae_ne`: `Z ≠ a` almost surely, for every `a` (singletons are null).
 
+and, from Mathlib's density `gaussianPDFReal a v x = (√(2π v))⁻¹ exp(−(x − a)² / (2v))`, the
+Kullback–Leibler divergence of two Gaussians with one variance (used by `Divergence.lean`):
+
+* `gaussLogLR a b v x = log (p_{a,v}(x) / p_{b,v}(x))`, the log-likelihood ratio of `N(a, v)`
+  against `N(b, v)`; `gaussLogLR_eq`: it is `((x − b)² − (x − a)²) / (2v)`;
+* `kl_gaussianReal_same_var`: `KL(N(a, v) ‖ N(b, v)) = ∫ log (p_a / p_b) dN(a, v) = (a − b)² / (2v)`;
+* `kl_gaussianReal_sum`: summed over `d` coordinates, `∑ᵢ (aᵢ − bᵢ)² / (2v)`. For independent
+  coordinates this sum is `KL(N(a, v I) ‖ N(b, v I))` (the product density's log is the sum of
+  the coordinates' logs); that product step is a textbook fact, not formalised here.
+
 Written without a Lean toolchain at hand: not machine-checked where it was written.
 -/
 
@@ -149,5 +159,114 @@ theorem ae_ne (h : IsStdNormal μ X) (a : ℝ) : ∀ᵐ ω ∂μ, X ω ≠ a := 
   exact ae_iff.mpr hnull
 
 end IsStdNormal
+
+/-! ## The Kullback–Leibler divergence of two Gaussians with one variance -/
+
+section Divergence
+
+/-- `σ²` as the `ℝ≥0` variance parameter of `gaussianReal` / `gaussianPDFReal`. -/
+def nnsq (σ : ℝ) : ℝ≥0 := by
+  first
+    | exact ⟨σ ^ 2, sq_nonneg σ⟩
+    | exact .mk (σ ^ 2) (sq_nonneg σ)
+
+theorem coe_nnsq (σ : ℝ) : ((nnsq σ : ℝ≥0) : ℝ) = σ ^ 2 := rfl
+
+theorem nnsq_ne_zero (σ : ℝ) (hσ : σ ≠ 0) : nnsq σ ≠ 0 := by
+  intro h
+  have h2 : ((nnsq σ : ℝ≥0) : ℝ) = ((0 : ℝ≥0) : ℝ) := congrArg (fun r : ℝ≥0 => (r : ℝ)) h
+  have h3 : σ ^ 2 = 0 := by
+    rw [coe_nnsq σ, NNReal.coe_zero] at h2
+    exact h2
+  exact pow_ne_zero 2 hσ h3
+
+/-- The log-likelihood ratio of `N(a, v)` against `N(b, v)` at `x`, from Mathlib's densities:
+`log (gaussianPDFReal a v x / gaussianPDFReal b v x)`. -/
+def gaussLogLR (a b : ℝ) (v : ℝ≥0) (x : ℝ) : ℝ :=
+  Real.log (gaussianPDFReal a v x / gaussianPDFReal b v x)
+
+/-- The normalising constants cancel: `log (p_a(x) / p_b(x)) = ((x − b)² − (x − a)²) / (2v)`. -/
+theorem gaussLogLR_eq (a b : ℝ) (v : ℝ≥0) (hv : v ≠ 0) (x : ℝ) :
+    gaussLogLR a b v x = ((x - b) ^ 2 - (x - a) ^ 2) / (2 * (v : ℝ)) := by
+  have hv' : (0 : ℝ) < (v : ℝ) := by
+    first
+      | exact NNReal.coe_pos.mpr (pos_iff_ne_zero.mpr hv)
+      | exact lt_of_le_of_ne v.2 (fun h => hv (NNReal.coe_eq_zero.mp h.symm))
+  have h2pv : (0 : ℝ) < 2 * Real.pi * (v : ℝ) :=
+    mul_pos (mul_pos (by norm_num) Real.pi_pos) hv'
+  have hc : (Real.sqrt (2 * Real.pi * (v : ℝ)))⁻¹ ≠ 0 :=
+    inv_ne_zero (Real.sqrt_pos.mpr h2pv).ne'
+  have hpdf : ∀ m : ℝ, gaussianPDFReal m v x
+      = (Real.sqrt (2 * Real.pi * (v : ℝ)))⁻¹ * Real.exp (-(x - m) ^ 2 / (2 * (v : ℝ))) := by
+    intro m
+    first
+      | rfl
+      | (unfold gaussianPDFReal; rfl)
+      | simp [gaussianPDFReal]
+  unfold gaussLogLR
+  rw [hpdf a, hpdf b, mul_div_mul_left _ _ hc, ← Real.exp_sub, Real.log_exp]
+  ring
+
+/-- **KL of two Gaussians with one variance.** `KL(N(a, v) ‖ N(b, v))`, written as the expected
+log-likelihood ratio `∫ log (p_a / p_b) dN(a, v)`, is `(a − b)² / (2v)`. -/
+theorem kl_gaussianReal_same_var (a b : ℝ) (v : ℝ≥0) (hv : v ≠ 0) :
+    ∫ x, gaussLogLR a b v x ∂(gaussianReal a v) = (a - b) ^ 2 / (2 * (v : ℝ)) := by
+  -- the log-likelihood ratio is affine in `x`
+  have hfun : (fun x => gaussLogLR a b v x)
+      = fun x => (a - b) / (v : ℝ) * x + (b ^ 2 - a ^ 2) / (2 * (v : ℝ)) := by
+    funext x
+    rw [gaussLogLR_eq a b v hv x]
+    ring
+  have hI : Integrable (fun x : ℝ => x) (gaussianReal a v) := by
+    first
+      | exact (memLp_id_gaussianReal' 1 ENNReal.one_ne_top).integrable le_rfl
+      | exact memLp_one_iff_integrable.mp (memLp_id_gaussianReal' 1 ENNReal.one_ne_top)
+      | exact (memLp_id_gaussianReal 1).integrable le_rfl
+      | exact memLp_one_iff_integrable.mp (memLp_id_gaussianReal 1)
+  have h0 : ∫ x, gaussLogLR a b v x ∂(gaussianReal a v)
+      = ∫ x, ((a - b) / (v : ℝ) * x + (b ^ 2 - a ^ 2) / (2 * (v : ℝ))) ∂(gaussianReal a v) := by
+    first
+      | exact congrArg (fun f : ℝ → ℝ => ∫ x, f x ∂(gaussianReal a v)) hfun
+      | rw [hfun]
+      | simp only [hfun]
+  have h1 : ∫ x, ((a - b) / (v : ℝ) * x + (b ^ 2 - a ^ 2) / (2 * (v : ℝ))) ∂(gaussianReal a v)
+      = ∫ x, (a - b) / (v : ℝ) * x ∂(gaussianReal a v)
+        + ∫ _x, (b ^ 2 - a ^ 2) / (2 * (v : ℝ)) ∂(gaussianReal a v) :=
+    integral_add (hI.const_mul _) (integrable_const _)
+  have h2 : ∫ x, (a - b) / (v : ℝ) * x ∂(gaussianReal a v)
+      = (a - b) / (v : ℝ) * ∫ x, x ∂(gaussianReal a v) := by
+    first
+      | exact integral_const_mul _ _
+      | exact integral_mul_left _ _
+      | simpa [smul_eq_mul] using
+          integral_smul (μ := gaussianReal a v) ((a - b) / (v : ℝ)) (fun x : ℝ => x)
+  have h3 : ∫ x, x ∂(gaussianReal a v) = a := by
+    first
+      | exact integral_id_gaussianReal
+      | simp
+  have h4 : ∫ _x, (b ^ 2 - a ^ 2) / (2 * (v : ℝ)) ∂(gaussianReal a v)
+      = (b ^ 2 - a ^ 2) / (2 * (v : ℝ)) := by
+    first
+      | simp
+      | (rw [integral_const]; simp)
+  rw [h0, h1, h2, h3, h4]
+  ring
+
+/-- **Summed over coordinates.** `∑ᵢ KL(N(aᵢ, v) ‖ N(bᵢ, v)) = (∑ᵢ (aᵢ − bᵢ)²) / (2v)`: for a
+vector with independent coordinates this is `KL(N(a, v I) ‖ N(b, v I)) = ‖a − b‖² / (2v)`, with
+no factor `1/d`. -/
+theorem kl_gaussianReal_sum {d : ℕ} (a b : Fin d → ℝ) (v : ℝ≥0) (hv : v ≠ 0) :
+    ∑ i, ∫ x, gaussLogLR (a i) (b i) v x ∂(gaussianReal (a i) v)
+      = (∑ i, (a i - b i) ^ 2) / (2 * (v : ℝ)) := by
+  have h : ∑ i, ∫ x, gaussLogLR (a i) (b i) v x ∂(gaussianReal (a i) v)
+      = ∑ i, (a i - b i) ^ 2 / (2 * (v : ℝ)) :=
+    Finset.sum_congr rfl (fun i _ => kl_gaussianReal_same_var (a i) (b i) v hv)
+  rw [h]
+  first
+    | exact (Finset.sum_div Finset.univ (fun i => (a i - b i) ^ 2) (2 * (v : ℝ))).symm
+    | rw [Finset.sum_div]
+    | (simp only [div_eq_mul_inv]; rw [Finset.sum_mul])
+
+end Divergence
 
 end Aegis
