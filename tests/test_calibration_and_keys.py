@@ -49,9 +49,10 @@ def test_batch_calibration_follows_the_batch_and_is_flagged():
     assert abs(stds[0] - stds[1]) / stds[0] > 1e-3  # the level moves with the batch: the fingerprint
 
 
-def test_private_signal_is_clipped_to_the_public_bound():
+@pytest.mark.parametrize("preset", ["verification", "reconstruction"])  # signal in rows / in matrix floods
+def test_private_signal_is_clipped_to_the_public_bound(preset):
     model = build("gpt2")
-    shield = aegis.protect(model, config=_config(preset="utility"))
+    shield = aegis.protect(model, config=_config(preset=preset))
     model.zero_grad()
     (1e4 * loss_of(model, seed=1)).backward()  # a private gradient far above the public scale
     shield.mask_()
@@ -85,7 +86,8 @@ def test_two_clients_never_share_noise():
     grads = []
     for _ in range(2):
         model = build("gpt2")
-        shield = aegis.protect(model, config=aegis.AegisConfig(preset="paper"))
+        config = aegis.AegisConfig(preset="verification", exposure_state=aegis.exposure.IN_MEMORY)  # two clients, one batch
+        shield = aegis.protect(model, config=config)
         grads.append(_masked(model, shield, seed=1)["transformer.wte.weight"])
     diff = grads[0] - grads[1]
     assert diff.std() > 0.5 * grads[0].std()  # noise does not cancel
@@ -97,7 +99,7 @@ def test_device_key_is_redrawn_after_fork(monkeypatch):
     import aegis.shield as shield_module
 
     model = build("gpt2")
-    shield = aegis.protect(model, config=aegis.AegisConfig(device_seed=True, preset="paper"))
+    shield = aegis.protect(model, config=aegis.AegisConfig(device_seed=True, preset="verification"))
     _masked(model, shield, seed=1)
     master = shield._state[: aegis_kernels.reference.KEY_WORDS].clone()
     _masked(model, shield, seed=2)
@@ -132,7 +134,7 @@ def test_masking_twice_is_refused():
 def test_lora_embedding_factor_does_not_reveal_the_tokens():
     """lora_embedding_A (r x V): the clean gradient is non-zero exactly in the input tokens' columns."""
     model = peft.get_peft_model(build("gpt2"), peft.LoraConfig(r=8, target_modules=["wte"], init_lora_weights=False))
-    shield = aegis.protect(model, config=_config(preset="utility"))
+    shield = aegis.protect(model, config=_config(preset="verification"))
     name = next(p.name for p in shield.plans if "lora_embedding_A" in p.name)
     ids = torch.tensor([[11, 17, 23, 29, 35, 41, 47, 53, 59, 65, 71, 3]])
     model(input_ids=ids, labels=ids).loss.backward()

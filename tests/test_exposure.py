@@ -4,7 +4,7 @@ import torch
 
 import aegis
 from aegis import ExposurePolicy
-from aegis.config import PRESET_EXPOSURES
+from aegis.config import PROMISES, Preset
 from families import build
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:AegisConfig\(seed=")
@@ -94,9 +94,9 @@ def test_off_does_not_track_and_says_so():
 
 
 def test_budget_defaults_and_validation():
-    assert aegis.AegisConfig(preset="paper").exposures == PRESET_EXPOSURES["paper"]
-    assert aegis.AegisConfig(preset="utility").exposures == PRESET_EXPOSURES["utility"]
-    custom = dict(aegis.PRESETS["paper"])
+    for preset in Preset:
+        assert aegis.AegisConfig(preset=preset).exposures == PROMISES[preset].exposures
+    custom = dict(aegis.PRESETS[Preset.VERIFICATION])
     assert aegis.AegisConfig(preset=custom).exposures == 1
     assert aegis.AegisConfig(exposure_budget=9).exposures == 9
     with pytest.raises(ValueError, match="exposure_budget=0"):

@@ -286,13 +286,35 @@ def _unknown_message(model: nn.Module, unknown: list[str], config: AegisConfig) 
     )
 
 
+# Roles whose gradient rows are indexed by token or label: a clean one gives the batch's bag of tokens or labels.
+INDEXED_ROLES = frozenset({"token_embedding", "token_embedding_lora", "lm_head", "head"})
+
+
+def _allow_listed(name: str, role: str, patterns: list[tuple[str, re.Pattern]]) -> bool:
+    """``allow_clean`` entries match whole parameter names; a token- or label-indexed parameter only by its
+    exact name, with a warning."""
+    matched = [text for text, pattern in patterns if pattern.fullmatch(name)]
+    if not matched:
+        return False
+    if role in INDEXED_ROLES:
+        if name not in matched:
+            raise ValueError(
+                f"allow_clean pattern(s) {matched} match {name} (role {role!r}), whose clean gradient gives the "
+                f"batch's bag of tokens or labels: list it by its exact name, allow_clean=({name!r},), if you "
+                "mean it, or narrow the pattern"
+            )
+        warnings.warn(f"allow_clean exports {name} (role {role!r}) unflooded: its gradient rows tell the server "
+                      "which tokens or labels the batch holds", stacklevel=4)
+    return True
+
+
 def plan(model: nn.Module, config: AegisConfig) -> list[ParamPlan]:
     """Classify every parameter of ``model``; raise (strict) or warn on unknown trainable ones."""
     params = list(model.named_parameters())
     if not params:
         raise ValueError("the model has no parameters: pass the model you train (e.g. a transformers PreTrainedModel)")
     overrides = [(re.compile(p), r) for p, r in config.role_overrides.items()]
-    clean = [re.compile(p) for p in config.allow_clean]
+    clean = [(p, re.compile(p)) for p in config.allow_clean]
     treatments = config.treatments
     plans = []
     for name, param in params:
@@ -309,7 +331,7 @@ def plan(model: nn.Module, config: AegisConfig) -> list[ParamPlan]:
                 role=role,
                 treatment=treatments[role],
                 trainable=param.requires_grad,
-                clean=any(p.search(name) for p in clean),
+                clean=_allow_listed(name, role, clean),
             )
         )
     unknown = [p.name for p in plans if p.role == "other" and p.trainable]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -42,7 +43,9 @@ class CoverageReport:
     calibration: Calibration = Calibration.PUBLIC
     exposure_budget: int = 1  # exports per example the configuration's strength covers
     exposure: ExposurePolicy = ExposurePolicy.REFUSE  # OFF: nothing enforces the budget
-    max_exposure: int = 0  # the most exports any one example has had so far
+    max_exposure: int = 0  # the most exports any one fingerprint has had so far
+    silenced_steps: int = 0  # steps exported as pure noise (ExposurePolicy.SILENCE past the budget)
+    skipped_steps: int = 0  # steps with a non-finite gradient: nothing exported, no optimizer step
 
     @property
     def leaks_flood_level(self) -> bool:
@@ -72,6 +75,7 @@ class Shield:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: AegisConfig,
                  calibration_loss: PublicLoss | None = None):
         self.model, self.config = model, config
+        _refuse_second_shield(model, optimizer)
         self.plans = plan(model, config)
         frozen = [p.param for p in self.plans if p.treatment.kind == "frozen"]
         for param in frozen:
@@ -95,16 +99,23 @@ class Shield:
         self._checksum: Tensor | None = None
         self._state: Tensor | None = None
         self._state_pid = 0
-        self._patterns: dict[tuple[bool, ...], tuple[str, Tensor | None]] = {}
+        self._mode_string = ",".join(self._modes)
         self._graphed: GraphedFlood | None = None
         self._hook = None
+        self._refused: list[tuple[weakref.ref | None, int]] | None = None  # the gradients of a refused step
+        self._skipped: list[str] = []  # non-finite gradients of the last mask_() (a skipped step)
+        self._skipped_steps = self._silenced_steps = 0
+        self._grad_arrived = False  # a backward reached a trainable parameter since the last mask_()
         self._exposure: ExposureTracker | None = None
         if config.exposure is not ExposurePolicy.OFF and self._flooded:
-            self._exposure = ExposureTracker(model, config.exposures,
-                                             lambda: all(p.param.grad is None for p in self._flooded))
+            self._exposure = ExposureTracker(model, config.exposures, self._gradients_dropped, config.exposure_state)
+        self._grad_hooks = [p.param.register_post_accumulate_grad_hook(self._on_gradient)
+                            for p in self.plans if p.trainable and p.treatment.kind != "frozen"]
+        self._optimizer = optimizer
         if optimizer is not None:
             _drop_from_optimizer(optimizer, frozen)
             self._hook = optimizer.register_step_pre_hook(lambda *_: self.ensure_masked())
+        _register(self, model, optimizer)
 
     # -- calibration ---------------------------------------------------------------------
     def calibrate(self) -> None:
@@ -140,38 +151,55 @@ class Shield:
         """Forwards on the public calibration batch are not exposures of the client's examples."""
         return self._exposure.paused() if self._exposure is not None else contextlib.nullcontext()
 
-    def _step_params(self, tensors: list[Tensor], index: Tensor | None) -> Tensor:
-        """The (n, 4) parameter table of the gradients present, for this step."""
+    def _step_params(self, tensors: list[Tensor]) -> Tensor:
+        """The (n, 4) parameter table of this step."""
         if self.config.calibration is Calibration.BATCH:
-            present = self._flooded if index is None else [self._flooded[i] for i in index.tolist()]
             tau = self.config.rel_threshold
-            modes = [self._modes[self._flooded.index(p)] for p in present]
             return torch.stack([ref.batch_params(g, mode, p.treatment.rho, p.treatment.lam, tau)
-                                for g, p, mode in zip(tensors, present, modes)])
+                                for g, p, mode in zip(tensors, self._flooded, self._modes)])
         if self._params is None or self._step - self._calibrated_step >= self.config.refresh_every:
             self.calibrate()
         assert self._params is not None
-        return self._params if index is None else self._params.index_select(0, index.to(self._params.device))
+        return self._params
 
     # -- masking -------------------------------------------------------------------------
     def mask_(self) -> None:
-        """Flood every trainable gradient in place, one grouped ``flood_`` call under a fresh secret key."""
+        """Flood every trainable gradient in place, one grouped ``flood_`` call under a fresh secret key.
+
+        A flooded parameter the backward did not reach is flooded as a zero gradient (an exact zero would
+        tell which modules the batch used). A non-finite gradient skips the step: every gradient is
+        dropped (the optimizer step changes nothing), ``export()`` refuses, a warning names the tensors."""
         if self.is_masked:
             raise RuntimeError(
                 "mask_() called twice on the same gradients: they are already masked (a second flood "
                 "would add noise twice). Call backward() again first, or use ensure_masked()"
             )
-        if self._exposure is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing and not self.config.device_seed:
+            raise RuntimeError(
+                "mask_() inside a CUDA-graph capture needs AegisConfig(device_seed=True): with a host key the graph "
+                "replays one key on every step, and the difference of two exports is noise-free"
+                + ("" if self._exposure is None else " (and exposure=ExposurePolicy.OFF: a replay counts nothing)")
+            )
+        if capturing and self._exposure is not None:
             raise RuntimeError(
                 "mask_() inside a CUDA-graph capture cannot count exposures (a replay runs no Python hook and "
                 "the token ids stay on the device): pass AegisConfig(exposure=ExposurePolicy.OFF) and keep "
                 "each example within the preset's exposure budget yourself"
             )
+        if not self._grad_arrived:
+            raise RuntimeError(
+                "mask_() with no gradient since the last step: call loss.backward() first (flooding zeros would "
+                "export and step on noise alone)"
+            )
+        for p in self._flooded:
+            if p.param.grad is None:
+                p.param.grad = torch.zeros_like(p.param)
         grads = [p.param.grad for p in self._flooded]
-        tensors, modes, index = self._present(grads)
+        tensors, modes = self._views(grads)
         silenced = False
         if tensors:
-            params = self._step_params(tensors, index)
+            params = self._step_params(tensors)
             silenced = self._over_budget()
             if silenced:
                 params = params.clone()
@@ -179,15 +207,60 @@ class Shield:
                 torch.ops.aegis.flood_(tensors, modes, params, self._step_key(tensors[0].device))
             elif self.config.device_seed:
                 torch.ops.aegis.flood_keyed_(tensors, modes, params, self._device_state(tensors[0].device))
-            elif index is None and self._graphable(tensors) and self._graphed is not None:
+            elif self._graphable(tensors) and self._graphed is not None:
                 self._graphed(tensors, modes, params, self._master_words(), self._step)
             else:
                 torch.ops.aegis.flood_(tensors, modes, params, self._step_key(tensors[0].device))
+        self._step += 1
+        norms = _norms(tensors)
+        # a NaN or inf anywhere in a gradient makes its flooded tensor non-finite (the clip scale and the
+        # rows' norms carry it), so the norms the export check needs anyway find it; a capture cannot sync
+        if norms is not None and not capturing and not bool(torch.isfinite(norms).all()):
+            self._skip(norms)
+            return
         if self._exposure is not None:
             self._exposure.commit(carried_signal=bool(tensors) and not silenced)
-        self._step += 1
-        self._masked = [(None, 0) if g is None else (weakref.ref(g), g._version) for g in grads]
-        self._checksum = _checksum(tensors)
+        self._silenced_steps += silenced
+        self._grad_arrived = False
+        self._skipped = []
+        self._masked = [(weakref.ref(g), g._version) for g in grads]
+        self._checksum = None if norms is None else norms.view(torch.int32)
+
+    def _skip(self, norms: Tensor) -> None:
+        bad = torch.isfinite(norms).logical_not().nonzero().flatten().tolist()
+        self._skipped = [self._flooded[i].name for i in bad]
+        for p in self.plans:
+            if p.trainable:
+                p.param.grad = None
+        if self._exposure is not None:
+            self._exposure.discard()
+        self._skipped_steps += 1
+        self._grad_arrived = False
+        self._masked = None
+        shown = ", ".join(self._skipped[:5]) + (f" and {len(self._skipped) - 5} more" if len(self._skipped) > 5 else "")
+        warnings.warn(f"AEGIS skipped this step: non-finite gradient in {shown}. Nothing is exported and the optimizer "
+                      "step changes nothing (every gradient was dropped); with torch.amp.GradScaler let "
+                      "scaler.step(optimizer) run the shield's optimizer hook after unscaling", stacklevel=3)
+
+    def track_examples(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> None:
+        """Count this step's examples from their ids when the forward received ``inputs_embeds``."""
+        if self._exposure is None:
+            raise RuntimeError("track_examples(): exposure tracking is off (ExposurePolicy.OFF or nothing flooded)")
+        self._exposure.track(input_ids, attention_mask)
+
+    def _on_gradient(self, param: Tensor) -> None:
+        self._grad_arrived = True
+
+    def _gradients_dropped(self) -> bool:
+        """True when the gradients holding the pending forwards' examples are gone: none exists, or the
+        refused step's were replaced or changed (zero_grad)."""
+        if all(p.param.grad is None for p in self._flooded):
+            self._refused = None
+            return True
+        if self._refused is not None and not _unchanged(self._refused, [p.param.grad for p in self._flooded]):
+            self._refused = None
+            return True
+        return False
 
     def _over_budget(self) -> bool:
         """True when this step must be silenced; raises under ExposurePolicy.REFUSE."""
@@ -197,37 +270,29 @@ class Shield:
         if not over:
             return False
         if self.config.exposure is ExposurePolicy.REFUSE:
-            self._exposure.discard()
+            # the examples stay pending: a retry (mask_(), the optimizer hook, a Trainer callback) is
+            # refused again until the gradients are dropped and a fresh batch runs forward
+            self._refused = [(weakref.ref(p.param.grad), p.param.grad._version)  # type: ignore[union-attr]
+                             for p in self._flooded]
             raise RuntimeError(
-                f"mask_() refused: {over} example(s) of this batch were already exported "
+                f"mask_() refused: {over} example(s) of this batch hold text already exported "
                 f"{self._exposure.budget} time(s), the exposure budget of this configuration (noise averages "
-                "out over repeated exports). Train on fresh examples, raise lam by sqrt(K/budget) and set "
-                "AegisConfig(exposure_budget=K), or AegisConfig(exposure=ExposurePolicy.SILENCE) to export "
-                "pure noise for such steps"
+                "out over repeated exports). Drop these gradients (optimizer.zero_grad()) and train on fresh "
+                "examples, raise lam by sqrt(K/budget) and set AegisConfig(exposure_budget=K), or "
+                "AegisConfig(exposure=ExposurePolicy.SILENCE) to export pure noise for such steps"
             )
         return True
 
-    def _present(self, grads: list[Tensor | None]) -> tuple[list[Tensor], str, Tensor | None]:
-        """The gradients present, their modes, and their rows of the parameter table (None: all)."""
-        tensors = [g for g in grads if g is not None]
-        for g in tensors:
+    def _views(self, grads: list[Tensor]) -> tuple[list[Tensor], str]:
+        """The gradients as the flood sees them (rows floods on the ids x width view) and their modes."""
+        for p, g in zip(self._flooded, grads):
             if g.layout != torch.strided:
-                name = next(p.name for p, q in zip(self._flooded, grads) if q is g)
                 raise ValueError(
-                    f"{name} has a sparse gradient: AEGIS floods dense gradients only; build the "
+                    f"{p.name} has a sparse gradient: AEGIS floods dense gradients only; build the "
                     "embedding with sparse=False (a sparse gradient would reveal the tokens it touches)"
                 )
-        # rows floods run on the (ids x width) view: transposed where ids index the columns
-        tensors = [rows_view(g, t) if m == "rows" else g
-                   for g, m, t in zip(grads, self._modes, self._transposed) if g is not None]
-        pattern = tuple(g is not None for g in grads)
-        cached = self._patterns.get(pattern)
-        if cached is None:
-            idx = [i for i, present in enumerate(pattern) if present]
-            modes = ",".join(self._modes[i] for i in idx)
-            cached = (modes, None if len(idx) == len(grads) else torch.tensor(idx, dtype=torch.int64))
-            self._patterns[pattern] = cached
-        return tensors, cached[0], cached[1]
+        views = [rows_view(g, t) if m == "rows" else g for g, m, t in zip(grads, self._modes, self._transposed)]
+        return views, self._mode_string
 
     def _graphable(self, tensors: list[Tensor]) -> bool:
         """CUDA-graph replay of the flood: on (config.cuda_graph), public calibration, all on one GPU,
@@ -273,34 +338,32 @@ class Shield:
     @property
     def is_masked(self) -> bool:
         """True when every gradient is exactly what the last ``mask_()`` left (no backward since)."""
-        if self._masked is None:
-            return False
-        for p, (ref_, version) in zip(self._flooded, self._masked):
-            grad = p.param.grad
-            if ref_ is None:
-                if grad is not None:
-                    return False
-            elif grad is None or ref_() is not grad or grad._version != version:  # type: ignore[union-attr]
-                return False
-        return True
+        return self._masked is not None and _unchanged(self._masked, [p.param.grad for p in self._flooded])
 
     def ensure_masked(self) -> None:
-        """Mask unless already masked: the optimizer hook and Trainer callback call this."""
-        if not self.is_masked:
-            self.mask_()
+        """Mask unless already masked: the optimizer hook and Trainer callback call this. After a skipped
+        step (non-finite gradient) with no gradient since, there is nothing to mask: the step is a no-op."""
+        if self.is_masked or (self._skipped and not self._grad_arrived):
+            return
+        self.mask_()
 
     # -- sharing -------------------------------------------------------------------------
     def export(self, include_frozen: bool = False) -> dict[str, Tensor]:
         """{name: masked gradient} of trainable parameters; fails closed unless the gradients are
         exactly what ``mask_()`` produced (same tensors, versions and checksum)."""
+        if self._skipped and not self.is_masked:
+            raise RuntimeError(
+                f"export() refused: the last step was skipped (non-finite gradient in {', '.join(self._skipped)}); "
+                "nothing to export. Run backward() on a fresh batch and mask_() again"
+            )
         if not self.is_masked:
             raise RuntimeError(
                 "export() refused: the gradients are not masked (call shield.mask_() after backward(), "
                 "or export before optimizer.zero_grad())"
             )
-        present = [g for g in (p.param.grad for p in self._flooded) if g is not None]
-        current = _checksum(present)
-        if self._checksum is not None and (current is None or not torch.equal(current, self._checksum)):
+        current = _norms([g for g in (p.param.grad for p in self._flooded) if g is not None])
+        if self._checksum is not None and (current is None or not torch.equal(current.view(torch.int32),
+                                                                              self._checksum)):
             raise RuntimeError(
                 "export() refused: a gradient changed after mask_() without a version bump (a write through "
                 ".data?); call backward() and mask_() again"
@@ -337,7 +400,8 @@ class Shield:
                 )
             )
         seen = self._exposure.max_exposure if self._exposure is not None else 0
-        return CoverageReport(rows, self.config.calibration, self.config.exposures, self.config.exposure, seen)
+        return CoverageReport(rows, self.config.calibration, self.config.exposures, self.config.exposure, seen,
+                              self._silenced_steps, self._skipped_steps)
 
     def trainer_callback(self):
         """A ``transformers.TrainerCallback`` that masks right before each optimizer step."""
@@ -346,22 +410,73 @@ class Shield:
         return AegisCallback(self)
 
     def remove(self) -> None:
-        """Detach the optimizer hook and the exposure counter (parameters stay frozen)."""
+        """Detach the optimizer hook, the gradient hooks and the exposure counter (parameters stay frozen);
+        the model and optimizer may then be protected again."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
+        _unregister(self)
         if self._exposure is not None:
             self._exposure.remove()
             self._exposure = None
 
 
-def _checksum(tensors: list[Tensor]) -> Tensor | None:
-    """Per-tensor fp32 L2 norms on the device, as bits (a NaN flood must match itself): export()
-    compares them with mask_()'s."""
+def _norms(tensors: list[Tensor]) -> Tensor | None:
+    """Per-tensor fp32 L2 norms on the device: their bits are export()'s checksum against mask_()'s."""
     if not tensors:
         return None
-    norms = torch.stack([n.to(tensors[0].device) for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)])
-    return norms.view(torch.int32)
+    return torch.stack([n.to(tensors[0].device) for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)])
+
+
+def _unchanged(snapshot: list[tuple[weakref.ref | None, int]], grads: list[Tensor | None]) -> bool:
+    """Whether every gradient is the very tensor, at the very version, of ``snapshot``."""
+    for (ref_, version), grad in zip(snapshot, grads):
+        if ref_ is None:
+            if grad is not None:
+                return False
+        elif grad is None or ref_() is not grad or grad._version != version:
+            return False
+    return True
+
+
+# Live shields by id of the parameters and optimizers they guard (a second shield would flood twice); each
+# entry keeps weak references to the object and its shield, so a copy of a model is not guarded.
+_GUARDED: dict[int, tuple[weakref.ref, weakref.ref[Shield]]] = {}
+
+
+def _guard_of(obj: object) -> Shield | None:
+    entry = _GUARDED.get(id(obj))
+    if entry is None or entry[0]() is not obj:
+        return None
+    return entry[1]()
+
+
+def _refuse_second_shield(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    for obj, what in [*((p, f"parameter {n}") for n, p in model.named_parameters()), (optimizer, "optimizer")]:
+        shield = _guard_of(obj) if obj is not None else None
+        if shield is not None:
+            raise ValueError(
+                f"protect(): the {what} is already protected by {shield!r} (its optimizer hook would flood "
+                "the gradients a second time): use that shield, or call its remove() before protecting again"
+            )
+
+
+def _register(shield: Shield, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    for key, entry in list(_GUARDED.items()):  # forget collected objects
+        if entry[0]() is None or entry[1]() is None:
+            del _GUARDED[key]
+    held = weakref.ref(shield)
+    for obj in [*(p.param for p in shield.plans if p.trainable), *([optimizer] if optimizer is not None else [])]:
+        _GUARDED[id(obj)] = (weakref.ref(obj), held)
+
+
+def _unregister(shield: Shield) -> None:
+    for key, entry in list(_GUARDED.items()):
+        if entry[1]() is shield:
+            del _GUARDED[key]
 
 
 def _drop_from_optimizer(optimizer: torch.optim.Optimizer, frozen: list[nn.Parameter]) -> None:
