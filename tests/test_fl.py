@@ -1,5 +1,6 @@
 """Flower integration (aegis.fl): AegisMod fails closed, FedSGD aggregates exactly, rounds run without Ray."""
 import copy
+import logging
 import math
 import re
 import subprocess
@@ -13,9 +14,10 @@ import torch
 import transformers
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 
-from aegis import AegisConfig, protect
+from aegis import AegisConfig, Preset, protect
 from aegis.baselines import DPSGD
 from aegis.defence import NoDefence, lm_loss
+from aegis.fl.client import REFUSAL
 from aegis.fl import (
     AegisMod,
     ClientTrainer,
@@ -78,23 +80,36 @@ def must_not_train(msg, ctx):
 # -- AegisMod -----------------------------------------------------------------------------------
 def test_mod_sends_masked_non_attention_fp32_gradient_configured_from_run_config():
     trainer = ClientTrainer(tiny_gpt2(), [lm_batch()])
-    reply = AegisMod()(instruction(global_arrays()), context({"aegis-preset": "paper"}), trainer)
+    reply = AegisMod()(instruction(global_arrays()), context({"aegis-preset": "verification"}), trainer)
     assert not reply.has_error()
     record = reply.content["arrays"]
     assert record.keys() and not any(".attn." in k for k in record.keys())
     assert {a.dtype for a in record.values()} == {"float32"}
     assert reply.content["aegis"]["digest"] == digest(record)
-    assert trainer._aegis.config.preset == "paper"
+    assert trainer._aegis.config.preset is Preset.VERIFICATION
     assert dict(reply.content["metrics"]) == {"num-examples": 1}
     clean = clean_gradient(tiny_gpt2(), lm_batch())
     shared = record["transformer.h.0.mlp.c_fc.weight"].numpy()
     assert not np.allclose(shared, clean["transformer.h.0.mlp.c_fc.weight"].numpy())
 
 
+class _KeepLog(logging.Handler):
+    """The reasons AegisMod logs on the client (the server reads only the constant REFUSAL)."""
+
+    messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+logging.getLogger("aegis.fl.client").addHandler(_KeepLog())
+
+
 def _error_reason(reply):
     assert reply.has_error(), "the mod let the reply through"
     assert reply.error.code == 6  # Flower's MOD_FAILED_PRECONDITION
-    return reply.error.reason
+    assert reply.error.reason == REFUSAL
+    return _KeepLog.messages[-1]
 
 
 def test_mod_refuses_raw_gradient_even_with_a_forged_proof():
@@ -145,8 +160,8 @@ def test_mod_refuses_arrays_changed_after_masking():
 
 
 def test_mod_refuses_masking_with_a_configuration_other_than_the_run_config():
-    paper = lambda msg, ctx: _masked_reply(msg, AegisConfig(preset="paper"))  # noqa: E731
-    reason = _error_reason(AegisMod()(instruction(global_arrays()), context({"aegis-preset": "utility"}), paper))
+    paper = lambda msg, ctx: _masked_reply(msg, AegisConfig(preset="verification"))  # noqa: E731
+    reason = _error_reason(AegisMod()(instruction(global_arrays()), context({"aegis-preset": "reconstruction"}), paper))
     assert "configuration other than" in reason
 
 
@@ -157,16 +172,16 @@ def test_mod_forgetting_to_mask_fails_closed():
         model(**lm_batch()).loss.backward()
         pack_masked(shield)  # no mask_(): export refuses
 
-    with pytest.raises(RuntimeError, match="not masked"):
-        AegisMod()(instruction(global_arrays()), context(), forgot)
+    assert "not masked" in _error_reason(AegisMod()(instruction(global_arrays()), context(), forgot))
 
 
 @pytest.mark.parametrize(
     "run_config,reason",
     [
         ({"aegis-seed": 1}, "aegis-seed"),
-        ({"aegis-presett": "utility"}, "unknown run_config key"),
+        ({"aegis-presett": "reconstruction"}, "unknown run_config key"),
         ({"aegis-preset": "strongest"}, "preset"),
+        ({"aegis-preset": "utility"}, "was removed: it did not train; use 'reconstruction'"),
         ({"aegis-strict": "yes"}, "boolean"),
     ],
 )
@@ -174,10 +189,10 @@ def test_mod_refuses_bad_run_config_before_training(run_config, reason):
     assert reason in _error_reason(AegisMod()(instruction(global_arrays()), context(run_config), must_not_train))
 
 
-def test_mod_passes_error_replies_untouched():
+def test_mod_sends_the_constant_refusal_for_an_error_reply():
     msg = instruction(global_arrays())
-    error = Message(Error(code=2, reason="client crashed"), reply_to=msg)
-    assert AegisMod()(msg, context(), lambda m, c: error) is error
+    error = Message(Error(code=2, reason="client crashed: 3 examples over budget"), reply_to=msg)
+    assert "client crashed" in _error_reason(AegisMod()(msg, context(), lambda m, c: error))
 
 
 def test_reply_carries_only_masked_arrays_proof_and_a_constant_weight():
@@ -312,8 +327,8 @@ def test_mod_rejects_a_fixed_seed_at_construction():
 
 def test_config_from_run_config():
     base = AegisConfig(rel_threshold=0.05)
-    cfg = config_from_run_config({"aegis-preset": "utility", "aegis-strict": True, "lr": 0.1}, base)
-    assert (cfg.preset, cfg.strict, cfg.rel_threshold) == ("utility", True, 0.05)
+    cfg = config_from_run_config({"aegis-preset": "reconstruction", "aegis-strict": True, "lr": 0.1}, base)
+    assert (cfg.preset, cfg.strict, cfg.rel_threshold) == (Preset.RECONSTRUCTION, True, 0.05)
     assert config_from_run_config({"aegis-rel-threshold": 0.2}).rel_threshold == 0.2
 
 
@@ -326,8 +341,7 @@ def test_trainer_refuses_to_run_aegis_without_the_mod():
 def test_trainer_rejects_global_arrays_that_do_not_match_its_trainable_parameters():
     trainer = ClientTrainer(tiny_gpt2(), [lm_batch()])
     everything = trainable_arrays(tiny_gpt2())  # attention included: AEGIS clients never take those
-    with pytest.raises(ValueError, match="do not match the trainable parameters"):
-        AegisMod()(instruction(everything), context(), trainer)
+    assert "do not match the trainable parameters" in _error_reason(AegisMod()(instruction(everything), context(), trainer))
 
 
 # -- FedSGD -------------------------------------------------------------------------------------
@@ -463,11 +477,11 @@ def test_run_rounds_with_aegis_shares_only_masked_gradients_and_survives_faults(
     data = client_data(clients=3)
     rounds_seen = []
     run = run_rounds(
-        tiny_gpt2(), data, rounds=2, defence="aegis-utility", lr=0.05,
+        tiny_gpt2(), data, rounds=2, defence="aegis-verification", lr=0.05,
         eval_fn=eval_loss,
         faults={(1, 1): "raise", (2, 2): "absent"}, on_round=rounds_seen.append,
     )
-    assert run.defence == "aegis-utility" and rounds_seen == [1, 2]
+    assert run.defence == "aegis-verification" and rounds_seen == [1, 2]
     assert [s.client for s in run.captured[0]] == [0, 2]
     assert [s.client for s in run.captured[1]] == [0, 1]
     assert (run.rounds[0]["clients-ok"], run.rounds[0]["clients-failed"]) == (2, 1)
@@ -525,7 +539,7 @@ def test_product_path_never_imports_the_comparators():
         "torch.manual_seed(0)\n"
         "ids = torch.randint(0, 50, (2, 5))\n"
         "batch = {'input_ids': ids, 'labels': ids}\n"
-        "run = run_rounds(transformers.GPT2LMHeadModel(cfg), [[batch], [batch]], rounds=1, defence='aegis-utility')\n"
+        "run = run_rounds(transformers.GPT2LMHeadModel(cfg), [[batch], [batch]], rounds=1, defence='aegis-verification')\n"
         "assert len(run.captured[0]) == 2\n"
         "print('aegis.baselines' in sys.modules)\n"
     )

@@ -18,11 +18,11 @@ from aegis.audit.runner import batch_builder
 from aegis.config import AegisConfig
 from aegis.data import LABELS, Example, load_corpus
 from aegis.defence import Aegis
-from aegis.exposure import ExposurePolicy
+from aegis.exposure import IN_MEMORY, ExposurePolicy
 from aegis.models import minilm_tokenizer
 from aegis.utility import Algorithm, UtilityConfig
 from aegis.utility.evaluate import evaluator, macro_f1
-from aegis.utility.federation import ExposureMirror, _round_batches, federate, lr_at
+from aegis.utility.federation import _round_batches, federate, lr_at
 from aegis.utility.results import merge, statements, summarise
 from aegis.utility.split import BatchStream, dirichlet_split
 from fast_noise import fast_noise  # noqa: F401  (fixture)
@@ -102,29 +102,22 @@ def test_config_errors_name_the_option():
 # -- exposure ---------------------------------------------------------------------------------------------------
 
 
-def test_exposure_mirror_predicts_exactly_the_steps_the_shield_refuses(tok, fast_noise):
-    """The mirror is the harness's count of silenced steps: it must agree with the shield's own rule."""
+def test_the_shield_counts_the_steps_it_silences(tok, fast_noise):
+    """The run's silenced-step count is the shield's own: the budget of 4 runs out in epoch 5."""
     model = tiny_decoder(tok)
     build = batch_builder("decoder", tok, {})
-    shield = Aegis(AegisConfig(preset="paper", exposure=ExposurePolicy.REFUSE)).attach(model)
-    mirror = ExposureMirror(shield.config.exposures)
+    defence = Aegis(AegisConfig(preset="verification", exposure=ExposurePolicy.SILENCE,
+                                exposure_state=IN_MEMORY)).attach(model)
     stream = BatchStream([Example(f"note number {i} for the clinic") for i in range(6)], 2, seed=0)
-    outcomes = []
-    for i in range(15):  # 5 epochs of 3 batches: the budget of 4 runs out in epoch 5
-        batch = build(stream.batch(i))
-        predicted = mirror.step(batch)
+    counts = []
+    for i in range(15):  # 5 epochs of 3 batches
         for p in model.parameters():
             p.grad = None
-        shield.backward(batch)
-        try:
-            shield.defend_()
-            refused = False
-        except RuntimeError as err:
-            assert "exposure budget" in str(err)
-            refused = True
-        outcomes.append((predicted, refused))
-    assert [p for p, _ in outcomes] == [r for _, r in outcomes]
-    assert [p for p, _ in outcomes] == [False] * 12 + [True] * 3
+        defence.backward(build(stream.batch(i)))
+        defence.defend_()
+        counts.append(defence.shield.silenced_steps)
+    assert counts == [0] * 12 + [1, 2, 3]
+    assert defence.shield.report().silenced_steps == 3
 
 
 # -- runs -------------------------------------------------------------------------------------------------------
@@ -159,7 +152,7 @@ def test_aegis_utility_silences_every_export_after_one_epoch(tiny_setup, fast_no
     model, build, _, evaluate = tiny_setup
     shards = dirichlet_split(load_corpus("train")[:24], 2, 1.0, seed=0, min_size=4)
     config = UtilityConfig(clients=2, rounds=5, batch_size=4, eval_every=5, lr=1e-2, attack_clients=0)
-    log = federate(model, "aegis-utility", shards, build, evaluate, Algorithm.FEDSGD, config, torch.device("cpu"))
+    log = federate(model, "aegis-reconstruction", shards, build, evaluate, Algorithm.FEDSGD, config, torch.device("cpu"))
     epochs = [len(s) // 4 for s in shards]
     expected = sum(max(0, 5 - e) for e in epochs)
     assert expected > 0
@@ -187,7 +180,7 @@ def test_exposure_off_exports_every_batch_and_silence_does_not(tiny_setup, zero_
     shards = dirichlet_split(load_corpus("train")[:24], 2, 1.0, seed=0, min_size=4)
     config = UtilityConfig(clients=2, rounds=5, batch_size=4, eval_every=5, lr=1e-2, attack_clients=2,
                            exposure=exposure)
-    log = federate(model, "aegis-utility", shards, build, evaluate, Algorithm.FEDSGD, config, torch.device("cpu"))
+    log = federate(model, "aegis-reconstruction", shards, build, evaluate, Algorithm.FEDSGD, config, torch.device("cpu"))
     epochs = [len(s) // 4 for s in shards]
     carried = {(c.round, c.client): bool(c.grads["transformer.wte.weight"].any()) for c in log.captures}
     fresh = {(r, c): r <= epochs[c] for r, c in carried}  # budget 1: a client's first epoch is fresh
@@ -214,7 +207,7 @@ def test_exposure_setting_is_recorded_checked_and_merged_apart():
 # -- results, figures, page ---------------------------------------------------------------------------------------
 
 
-def _result(defences=("none", "aegis-utility"), ppl=(100.0, 104.0), settings=None):
+def _result(defences=("none", "aegis-reconstruction"), ppl=(100.0, 104.0), settings=None):
     runs = []
     for d, value in zip(defences, ppl):
         runs.append({
@@ -238,21 +231,21 @@ def _result(defences=("none", "aegis-utility"), ppl=(100.0, 104.0), settings=Non
 
 def test_summary_applies_the_bar():
     rows = {s["defence"]: s for s in _result(ppl=(100.0, 104.0))["summary"]}
-    assert rows["aegis-utility"]["meets_utility"] and rows["aegis-utility"]["meets_privacy"]
-    assert rows["aegis-utility"]["meets_both"] and not rows["none"]["meets_privacy"]
-    assert rows["aegis-utility"]["ratio"] == pytest.approx(1.04)
+    assert rows["aegis-reconstruction"]["meets_utility"] and rows["aegis-reconstruction"]["meets_privacy"]
+    assert rows["aegis-reconstruction"]["meets_both"] and not rows["none"]["meets_privacy"]
+    assert rows["aegis-reconstruction"]["ratio"] == pytest.approx(1.04)
     worse = {s["defence"]: s for s in _result(ppl=(100.0, 106.0))["summary"]}
-    assert not worse["aegis-utility"]["meets_utility"]
+    assert not worse["aegis-reconstruction"]["meets_utility"]
     line = _result(ppl=(100.0, 106.0))["statements"][0]
     assert "meets it: none" in line and "aegis-utility (utility 1.06x undefended)" in line
 
 
 def test_merge_replaces_runs_and_refuses_other_settings():
     old = _result()
-    new = _result(defences=("aegis-utility",), ppl=(120.0,))
+    new = _result(defences=("aegis-reconstruction",), ppl=(120.0,))
     merged = merge(old, new)
     assert [(r["defence"], r["final"]["perplexity"]) for r in merged["runs"]] == [("none", 100.0),
-                                                                                ("aegis-utility", 120.0)]
+                                                                                ("aegis-reconstruction", 120.0)]
     other = _result(settings=UtilityConfig(rounds=4, clients=2).as_dict())
     with pytest.raises(ValueError, match="rounds"):
         merge(old, other)

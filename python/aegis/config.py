@@ -76,7 +76,7 @@ FROZEN = Treatment("frozen")
 # correlates it with the export (candidate verification: aegis.attacks.fingerprint "likelihood"). Its
 # signal-to-noise ratio is rho * clip / sigma per row (rows floods) or per tensor (matrix floods), a
 # public constant under the public calibration, capped by ``Treatment.snr`` and shown as ``ReportRow.snr``.
-# K exports of one batch average to snr * sqrt(K) (``PRESET_EXPOSURES`` bounds K).
+# K exports of one batch average to snr * sqrt(K) (``Promise.exposures`` bounds K).
 #
 # Measured on an H100 with the real cipher (benchmarks/results/verification-h100.json, 1-of-40, 40
 # trials, decoder / LLaMA / encoder, B = 1 and 4): rows snr 0.2 -> up to 0.20 (sentence), 0.1 -> up to
@@ -84,59 +84,202 @@ FROZEN = Treatment("frozen")
 # 4-class head at snr 0.05: 0.21 / 0.31 / 0.31 at B = 1 / 2 / 8 (nulls 0.25 / 0.39 / 0.66). The paper's
 # rows rho = 0.3 uncapped is snr ~ 3 per token row: 1.00.
 
-# The paper's structure (DESIGN §3 table): attention frozen, MLP / norm / bias floods with rho = 0, rows
-# floods with the paper's lam and rho, capped at snr 0.02: 0.04 over PRESET_EXPOSURES["paper"] = 4 exports.
-_PAPER_ROWS = Treatment("rows", lam=1.0, rho=0.3, snr=0.02)
-PAPER: Mapping[str, Treatment] = MappingProxyType(
+
+class Threat(str, enum.Enum):
+    """What a server holding the exports tries; each preset is named for the one it stops.
+
+    RECONSTRUCTION: recover the private text from an export: its words in order, its bag of words, or its
+                    labels (DAGER, embedding_norm, mlp_span, spectral, TAG, the label attack).
+    VERIFICATION:   holding candidate texts, tell which one an export was computed on (1-of-N fingerprint,
+                    secret completion "my pin is ____", the loss oracle). Stopping it stops reconstruction.
+    """
+
+    RECONSTRUCTION = "reconstruction"
+    VERIFICATION = "verification"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def words(self) -> str:
+        return "reconstruction" if self is Threat.RECONSTRUCTION else "candidate verification"
+
+
+class Preset(str, enum.Enum):
+    """The shipped presets, named for what they stop (``Preset.X.promise`` says what, where and at what cost)."""
+
+    VERIFICATION = "verification"
+    RECONSTRUCTION = "reconstruction"
+    PAPER = "paper"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def treatments(self) -> Mapping[str, Treatment]:
+        return PRESETS[self]
+
+    @property
+    def promise(self) -> Promise:
+        return PROMISES[self]
+
+
+@dataclass(frozen=True)
+class Promise:
+    """What a preset stops, where, and what it costs: plain data the audit checks and ``aegis calibrate`` reads.
+
+    stops:      the threats held at their null (an attack more than 0.05 above its null breaks the promise).
+    says:       the promise in words, as the audit's verdict states it.
+    trains:     whether a model fine-tuned on one client's exports learns (measured, see cost).
+    cost:       what it costs in utility, measured.
+    exposures:  exports per example it covers: the default exposure budget (noise averages as sqrt(K)).
+    min_batch, max_batch: the batch sizes (sequences per export) it is stated for (None: no upper bound).
+    """
+
+    stops: frozenset[Threat]
+    says: str
+    trains: bool
+    cost: str
+    exposures: int
+    min_batch: int = 1
+    max_batch: int | None = None
+
+    def outside(self, batch_size: int) -> str | None:
+        """Why the promise does not cover this batch size, or None when it does."""
+        if batch_size < self.min_batch:
+            return f"batch {batch_size} is below the batch {self.min_batch} it is stated for"
+        if self.max_batch is not None and batch_size > self.max_batch:
+            return f"batch {batch_size} is above the batch {self.max_batch} it is stated for"
+        return None
+
+
+# `verification`: every rows flood capped at snr 0.02 (0.04 over its 4 exports), MLP, norms and biases
+# flooded with rho = 0 (pure noise). Measured: the figures above and DESIGN §1.4 (B = 1, 4, 8).
+VERIFICATION_ROWS_SNR = 0.02
+VERIFICATION_EXPOSURES = 4
+VERIFICATION_MAX_BATCH = 8  # at B = 8, K = 4 (snr 0.04) verification sits at the bar (DESIGN §1.4)
+_VERIFICATION_ROWS = Treatment("rows", lam=1.0, rho=0.3, snr=VERIFICATION_ROWS_SNR)
+VERIFICATION: Mapping[str, Treatment] = MappingProxyType(
     {
         "attention": FROZEN,
-        "token_embedding": _PAPER_ROWS,
+        "token_embedding": _VERIFICATION_ROWS,
         # LoRA factors indexed by token id: rows flood along the token axis (ParamPlan.rows_axis); the
         # other factor of the pair (not token-indexed) gets a matrix flood at the embedding's strength
-        "token_embedding_lora": _PAPER_ROWS,
-        "position_embedding": _PAPER_ROWS,
-        "lm_head": _PAPER_ROWS,
+        "token_embedding_lora": _VERIFICATION_ROWS,
+        "position_embedding": _VERIFICATION_ROWS,
+        "lm_head": _VERIFICATION_ROWS,
         "mlp": Treatment("matrix", lam=8.0, rho=0.0),
         "norm": Treatment("matrix", lam=4.0, rho=0.0),
         "bias": Treatment("matrix", lam=4.0, rho=0.0),
-        "head": _PAPER_ROWS,  # rows = labels (policy rule 10)
+        "head": _VERIFICATION_ROWS,  # rows = labels (policy rule 10)
         "other": Treatment("matrix", lam=4.0, rho=0.0),  # strict=False only: pure noise, never signal
     }
 )
 
-# Trains what can carry signal, freezes the rest: a rho = 0 flood carries nothing yet moves the weights
-# on a random walk of ~lr per step under Adam, so MLP, norms and biases are frozen instead; the rows
-# floods get twice the paper's snr, which holds for one exposure of each example.
-_UTILITY_ROWS = Treatment("rows", lam=1.0, rho=0.3, snr=0.04)
-UTILITY: Mapping[str, Treatment] = MappingProxyType(
+# `reconstruction`: trains. A vocabulary-indexed gradient shows which rows the batch used (the bag of
+# words), so every such tensor is frozen: the token embedding (and a head tied to it), its LoRA factors,
+# an untied LM head (its rows are the next tokens) and the position embedding. The classifier head keeps
+# the verification cap (its rows are the labels). Every other tensor is a matrix flood at a signal of
+# RECONSTRUCTION_SNR times the per-entry noise: an MLP matrix (~10^6 entries) trains from it, while one
+# token's share of the signal is diluted by the batch's tokens (RECONSTRUCTION_BATCH sequences).
+RECONSTRUCTION_SNR = 1000.0
+RECONSTRUCTION_BATCH = 8
+RECONSTRUCTION_EXPOSURES = 1
+_RECONSTRUCTION_FLOOD = Treatment("matrix", lam=1.0, rho=1.0, snr=RECONSTRUCTION_SNR)
+RECONSTRUCTION: Mapping[str, Treatment] = MappingProxyType(
     {
-        **PAPER,
-        "token_embedding": _UTILITY_ROWS,
-        "token_embedding_lora": _UTILITY_ROWS,
-        "position_embedding": _UTILITY_ROWS,
-        "lm_head": _UTILITY_ROWS,
-        "head": _UTILITY_ROWS,
-        "mlp": FROZEN,
-        "norm": FROZEN,
-        "bias": FROZEN,
-        "other": FROZEN,
+        "attention": FROZEN,
+        "token_embedding": FROZEN,
+        "token_embedding_lora": FROZEN,
+        "position_embedding": FROZEN,
+        "lm_head": FROZEN,
+        "mlp": _RECONSTRUCTION_FLOOD,
+        "norm": _RECONSTRUCTION_FLOOD,
+        "bias": _RECONSTRUCTION_FLOOD,
+        "head": _VERIFICATION_ROWS,
+        "other": _RECONSTRUCTION_FLOOD,
     }
 )
 
-PRESETS: Mapping[str, Mapping[str, Treatment]] = MappingProxyType({"paper": PAPER, "utility": UTILITY})
+# `paper`: the paper's formulas as written, to reproduce it: rows floods rho 0.3 lam 1 with no snr cap
+# (snr ~ 3 per token row), MLP rho 0 lam 8, norms and biases rho 0 lam 4.
+_PAPER_ROWS = Treatment("rows", lam=1.0, rho=0.3)
+PAPER: Mapping[str, Treatment] = MappingProxyType(
+    {
+        **VERIFICATION,
+        **dict.fromkeys(("token_embedding", "token_embedding_lora", "position_embedding", "lm_head", "head"),
+                        _PAPER_ROWS),
+    }
+)
 
-# How many exports of one example each preset's measured strength covers (noise averages as sqrt(K)).
-PRESET_EXPOSURES: Mapping[str, int] = MappingProxyType({"paper": 4, "utility": 1})
+PRESETS: Mapping[Preset, Mapping[str, Treatment]] = MappingProxyType(
+    {Preset.VERIFICATION: VERIFICATION, Preset.RECONSTRUCTION: RECONSTRUCTION, Preset.PAPER: PAPER}
+)
+
+# Measured costs: SmolLM2-135M-Instruct fine-tuned on the shipped corpus (batch 8, 64 tokens, AdamW,
+# 320 steps, exposure budget off; pretrained perplexity 260.5, undefended 5.74 at lr 5e-5, 4.47 at 2e-4).
+PROMISES: Mapping[Preset, Promise] = MappingProxyType(
+    {
+        Preset.VERIFICATION: Promise(
+            stops=frozenset({Threat.VERIFICATION, Threat.RECONSTRUCTION}),
+            says="stops candidate verification and reconstruction; does not train a model from one client's "
+            "exports (secure aggregation, where the server sees only a sum over clients, is the way out)",
+            trains=False,
+            cost="does not train: SmolLM2 validation perplexity 259 after fine-tuning (pretrained 261, "
+            "undefended 5.7)",
+            exposures=VERIFICATION_EXPOSURES,
+            max_batch=VERIFICATION_MAX_BATCH,
+        ),
+        Preset.RECONSTRUCTION: Promise(
+            stops=frozenset({Threat.RECONSTRUCTION}),
+            says="stops reconstruction; a server with candidate texts can verify them",
+            trains=True,
+            cost=f"trains: SmolLM2 validation perplexity 6.8 at snr {RECONSTRUCTION_SNR:g} (undefended 4.5, "
+            "attention and token embedding frozen with nothing flooded 6.1)",
+            exposures=RECONSTRUCTION_EXPOSURES,
+            min_batch=RECONSTRUCTION_BATCH,
+        ),
+        Preset.PAPER: Promise(
+            stops=frozenset(),
+            says="the paper's formulas as written, for reproduction: candidate verification reads 1.00 "
+            "(uncapped rows rho 0.3) and it does not train",
+            trains=False,
+            cost="does not train: SmolLM2 validation perplexity 241 / 228 at lr 5e-5 / 2e-4 (pretrained 261, "
+            "undefended 5.7 / 4.5)",
+            exposures=1,
+        ),
+    }
+)
+
+REMOVED_PRESETS = {"utility": "it did not train; use 'reconstruction' (trains, stops reconstruction) or "
+                              "'verification' (also stops candidate verification, does not train)"}
+
+
+def preset_from(name: str | Preset) -> Preset:
+    """A Preset from its value, with an error that names the choices (and the replacement of a removed one)."""
+    if isinstance(name, Preset):
+        return name
+    if name in REMOVED_PRESETS:
+        raise ValueError(f"preset={name!r} was removed: {REMOVED_PRESETS[name]}")
+    try:
+        return Preset(name)
+    except ValueError:
+        raise ValueError(f"preset={name!r} is unknown: use one of {[p.value for p in Preset]} or a role -> "
+                         "Treatment mapping") from None
 
 
 @dataclass(frozen=True)
 class AegisConfig:
     """Everything ``aegis.protect`` needs.
 
-    preset:         a preset name ("paper", "utility") or a role -> Treatment mapping.
+    preset:         a Preset (or its value: "verification", "reconstruction", "paper") or a role -> Treatment
+                    mapping. Each Preset carries its promise (``Preset.X.promise``): what it stops, at which
+                    batch size and exposure budget, and what it costs.
     overrides:      role -> Treatment replacing the preset's entry for that role.
     role_overrides: regex on parameter names -> role, checked before detection (first match wins).
-    allow_clean:    regexes of parameter names exported UNFLOODED; explicit opt-out, shown in the report.
+    allow_clean:    regexes matching WHOLE parameter names exported UNFLOODED; explicit opt-out, shown in the
+                    report. A token- or label-indexed parameter (embedding, LM head, vocabulary bias,
+                    classifier) must be listed by its exact name, and warns.
     strict:         raise (default) when a trainable parameter's role is unknown; False gives it the
                     'other' flood with a warning.
     rel_threshold:  tau of the rows flood (rows with norm > tau x the calibration's max norm carry signal).
@@ -146,9 +289,14 @@ class AegisConfig:
                     AEGIS_ALLOW_FIXED_KEY=1 (a known key lets anyone remove the noise). None (default)
                     draws a fresh 256-bit key from ``secrets`` for every step.
     exposure_budget: how many masked exports may carry one example (token sequence); None: the preset's
-                    promise (``PRESET_EXPOSURES``), 1 for a custom preset.
+                    promise (``Promise.exposures``), 1 for a custom preset.
     exposure:       ExposurePolicy.REFUSE (default: ``mask_()`` raises past the budget), SILENCE (that
                     step exports pure noise) or OFF (no tracking: the guarantee covers one export).
+    exposure_state: the file the exposure counts persist in across runs and restarts (see
+                    ``aegis.exposure``): None (default) is ``default.json`` under the user's cache folder
+                    (``$AEGIS_CACHE_DIR`` or ``~/.cache/aegis/exposure``), created on first use; a named
+                    file must exist (``aegis.exposure.create_state``); ``aegis.exposure.IN_MEMORY`` keeps
+                    the counts for the shield's lifetime only (simulations).
     device_seed:    keep a master key on the gradients' device and derive each step's key there through
                     the cipher, so a captured CUDA graph of ``mask_()`` draws a fresh key on every replay
                     (the master key is redrawn in a forked child).
@@ -158,7 +306,7 @@ class AegisConfig:
                     ``set_to_none=True`` the allocator moves gradients and every step runs eagerly.
     """
 
-    preset: str | Mapping[str, Treatment] = "paper"
+    preset: Preset | str | Mapping[str, Treatment] = Preset.VERIFICATION
     overrides: Mapping[str, Treatment] = field(default_factory=dict)
     role_overrides: Mapping[str, str] = field(default_factory=dict)
     allow_clean: tuple[str, ...] = ()
@@ -169,14 +317,16 @@ class AegisConfig:
     seed: int | None = None
     exposure_budget: int | None = None
     exposure: ExposurePolicy = ExposurePolicy.REFUSE
+    exposure_state: str | None = None
     device_seed: bool = False
     cuda_graph: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.preset, str) and self.preset not in PRESETS:
-            raise ValueError(
-                f"preset={self.preset!r} is unknown: use one of {sorted(PRESETS)} or a role -> Treatment mapping"
-            )
+        if isinstance(self.preset, str):
+            object.__setattr__(self, "preset", preset_from(self.preset))
+        if self.preset is Preset.PAPER:
+            warnings.warn("preset 'paper' reproduces the paper's formulas: candidate verification reads 1.00 and it "
+                          "does not train; to protect, use 'verification' or 'reconstruction'", stacklevel=3)
         for role in (*self.overrides, *self.role_overrides.values()):
             if role not in ROLES:
                 raise ValueError(f"unknown role {role!r} in overrides/role_overrides: roles are {ROLES}")
@@ -202,7 +352,7 @@ class AegisConfig:
 
     @property
     def treatments(self) -> dict[str, Treatment]:
-        base = PRESETS[self.preset] if isinstance(self.preset, str) else self.preset
+        base = PRESETS[self.preset] if isinstance(self.preset, Preset) else self.preset
         missing = set(ROLES) - set(base) - set(self.overrides)
         if missing:
             raise ValueError(f"preset has no treatment for roles {sorted(missing)}")
@@ -213,7 +363,16 @@ class AegisConfig:
         """The exposure budget in force (the preset's promise unless set)."""
         if self.exposure_budget is not None:
             return self.exposure_budget
-        return PRESET_EXPOSURES[self.preset] if isinstance(self.preset, str) else 1
+        return self.preset.promise.exposures if isinstance(self.preset, Preset) else 1
+
+    @property
+    def promise(self) -> Promise | None:
+        """The preset's promise; None for a custom mapping, overrides or allow_clean (not the configuration
+        measured), the batch calibration (its noise level fingerprints the batch) or a larger exposure budget."""
+        if (not isinstance(self.preset, Preset) or self.overrides or self.allow_clean
+                or self.calibration is not Calibration.PUBLIC or self.exposures > self.preset.promise.exposures):
+            return None
+        return self.preset.promise
 
     def replace(self, **changes) -> AegisConfig:
         return dataclasses.replace(self, **changes)

@@ -4,7 +4,7 @@ A :class:`Defence` is attached to one model (and optionally its optimizer) and t
 step in three calls, so that a benchmark can time each part and a federated client can share what it
 exports::
 
-    defence = Aegis(AegisConfig(preset="utility")).attach(model, optimizer)
+    defence = Aegis(AegisConfig(preset=Preset.RECONSTRUCTION)).attach(model, optimizer)
     loss = defence.backward(batch, loss_fn)   # forward + backward
     defence.defend_()                          # rewrite p.grad in place
     shared = defence.export()                  # {name: gradient} of trainable parameters (what leaves)
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .config import AegisConfig
+from .config import AegisConfig, Preset
 from .shield import Shield, protect
 
 Batch = Mapping[str, Any]
@@ -116,7 +116,7 @@ class Aegis(Defence):
     def __init__(self, config: AegisConfig | None = None) -> None:
         super().__init__()
         self.config = config or AegisConfig()
-        self.name = f"aegis-{self.config.preset}" if isinstance(self.config.preset, str) else "aegis"
+        self.name = f"aegis-{self.config.preset.value}" if isinstance(self.config.preset, Preset) else "aegis"
         self.shield: Shield | None = None
 
     def _setup(self) -> None:
@@ -142,11 +142,13 @@ class Aegis(Defence):
 
 
 def core_defence(spec: str) -> Defence | None:
-    """The defence a product name stands for: "none" (or "undefended"), "aegis", "aegis-PRESET";
-    None for any other name (a comparator: :func:`aegis.baselines.make_defence` parses those)."""
+    """The defence a product name stands for: "none" (or "undefended"), "aegis" (the default preset),
+    "aegis-PRESET" (a :class:`Preset` value); None for any other name (a comparator:
+    :func:`aegis.baselines.make_defence` parses those)."""
     spec = spec.strip().lower()
     if spec in ("none", "undefended"):
         return NoDefence()
     if spec == "aegis" or spec.startswith("aegis-"):
-        return Aegis(AegisConfig(preset=spec.partition("-")[2] or "paper"))
+        preset = spec.partition("-")[2]
+        return Aegis(AegisConfig(preset=preset) if preset else AegisConfig())
     return None

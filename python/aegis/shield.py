@@ -336,6 +336,16 @@ class Shield:
         return {} if graphed is None else {"replays": graphed.replays, "captures": graphed.captures}
 
     @property
+    def silenced_steps(self) -> int:
+        """Steps exported as pure noise because their text was past the exposure budget (SILENCE)."""
+        return self._silenced_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps with a non-finite gradient: nothing exported, the optimizer step a no-op."""
+        return self._skipped_steps
+
+    @property
     def is_masked(self) -> bool:
         """True when every gradient is exactly what the last ``mask_()`` left (no backward since)."""
         return self._masked is not None and _unchanged(self._masked, [p.param.grad for p in self._flooded])

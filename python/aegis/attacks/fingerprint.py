@@ -433,6 +433,10 @@ def fingerprint_accuracies(model: nn.Module, tokenizer, config: AegisConfig, can
     if export is None:
         from ..shield import protect
 
+        from ..exposure import IN_MEMORY
+
+        if config.exposure_state is None:  # the attack's own exports: nothing to persist
+            config = config.replace(exposure_state=IN_MEMORY)
         shield = protect(model, config=config, calibration_loss=calibration_loss)
 
         def export(i: int) -> Mapping[str, Tensor]:

@@ -12,7 +12,8 @@ import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..config import AegisConfig, Calibration
+from ..config import AegisConfig, Calibration, Promise
+from ..exposure import IN_MEMORY
 from ..models import DecoderArch
 
 MODELS = ("decoder", "encoder")
@@ -33,9 +34,9 @@ DEFAULT_ATTACKS = (
 ENCODER_ONLY = ("labels",)  # the label attack reads a classification head
 DEFENCES = (
     "none",
-    "aegis-paper",
-    "aegis-utility",
-    "aegis-paper-batch",
+    "aegis-verification",
+    "aegis-reconstruction",
+    "aegis-paper-batch",  # the paper as written (its formulas and batch calibration), to reproduce it
     "dp-noise-0.001",
     "dp-noise-0.01",
     "dp-noise-0.1",
@@ -47,8 +48,8 @@ DEFENCES = (
 )
 QUICK_DEFENCES = (
     "none",
-    "aegis-paper",
-    "aegis-utility",
+    "aegis-verification",
+    "aegis-reconstruction",
     "aegis-paper-batch",
     "dp-noise-0.01",
     "dp-sgd-C1-z1",
@@ -147,19 +148,25 @@ class DefenceSpec:
     def calibration(self) -> str | None:
         return None if self.aegis is None else self.aegis.calibration.value
 
+    @property
+    def promise(self) -> Promise | None:
+        """What the preset promises to stop (the verdict checks it); None for baselines and custom settings."""
+        return None if self.aegis is None else self.aegis.promise
+
 
 _AEGIS = re.compile(r"^aegis(?:-(?P<preset>[a-z]+?))?(?P<batch>-batch)?$")
 
 
 def resolve_defence(name: str) -> DefenceSpec:
-    """``aegis-paper``, ``aegis-utility`` (public calibration), ``aegis-paper-batch`` (the paper's batch
-    calibration) or a baseline name :func:`aegis.baselines.make_defence` parses."""
+    """``aegis-PRESET`` (public calibration; ``aegis`` alone: the default preset), ``aegis-PRESET-batch`` (the
+    paper's batch calibration) or a baseline name :func:`aegis.baselines.make_defence` parses."""
     match = _AEGIS.match(name)
     if match:
-        preset = match["preset"] or "paper"
         calibration = Calibration.BATCH if match["batch"] else Calibration.PUBLIC
         try:
-            return DefenceSpec(name, AegisConfig(preset=preset, calibration=calibration))
+            preset = {"preset": match["preset"]} if match["preset"] else {}
+            # simulated clients: their exposure counts live for the run, never in the user's cache
+            return DefenceSpec(name, AegisConfig(**preset, calibration=calibration, exposure_state=IN_MEMORY))
         except ValueError as err:
             raise UsageError("--defences", f"{name!r}: {err}") from None
     from ..baselines import make_defence

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +46,8 @@ from torch import Tensor, nn
 from ..config import AegisConfig
 from ..defence import Aegis, Batch, Defence, LossFn, lm_loss
 from ..shield import Shield
+
+log = logging.getLogger(__name__)
 
 ARRAYS_KEY, METRICS_KEY, CONFIG_KEY, PROOF_KEY = "arrays", "metrics", "config", "aegis"
 # Values of Flower's ErrorCode (flwr.common.constant is not public API).
@@ -63,7 +66,8 @@ PROOF_FIELDS = ("masked", "digest")
 def config_from_run_config(run_config: Mapping, base: AegisConfig | None = None) -> AegisConfig:
     """``base`` with the ``aegis-*`` keys of a Flower run_config applied.
 
-    Keys: ``aegis-preset`` ("paper" | "utility"), ``aegis-rel-threshold`` (float), ``aegis-strict`` (bool).
+    Keys: ``aegis-preset`` (a :class:`~aegis.config.Preset` value: "verification", "reconstruction",
+    "paper"), ``aegis-rel-threshold`` (float), ``aegis-strict`` (bool).
     Raises on ``aegis-seed`` (a seed the server knows lets it subtract the noise) and on unknown
     ``aegis-*`` keys (a typo must not silently fall back to defaults).
     """
@@ -142,11 +146,15 @@ def reply_content(arrays: ArrayRecord, proof: ConfigRecord | None = None) -> Rec
     return content
 
 
+# What the server reads of any refusal: one constant. The reason stays in the client's log, since it may tell
+# the server about the private batch (how many of its examples were already exported, which tensor was NaN).
+REFUSAL = "AegisMod refused to send the reply; the reason is in the client's log"
+
+
 def refuse(msg: Message, reason: str) -> Message:
-    """The error reply AegisMod sends instead of an unmasked one."""
-    return Message(
-        Error(code=MOD_FAILED_PRECONDITION, reason=f"AegisMod refused to send the reply: {reason}"), reply_to=msg
-    )
+    """The error reply AegisMod sends instead of an unmasked one: the constant REFUSAL; ``reason`` is logged."""
+    log.warning("AegisMod refused to send the reply: %s", reason)
+    return Message(Error(code=MOD_FAILED_PRECONDITION, reason=REFUSAL), reply_to=msg)
 
 
 class AegisMod:
@@ -171,10 +179,12 @@ class AegisMod:
         token = _SESSION.set(session)
         try:
             reply = call_next(msg, context)
+        except Exception as err:  # Flower would send the exception's text to the server
+            return refuse(msg, f"{type(err).__name__}: {err}")
         finally:
             _SESSION.reset(token)
-        if reply.has_error():
-            return reply  # an error carries no records
+        if reply.has_error():  # an error carries no records, but its reason is the client's text
+            return refuse(msg, f"error {reply.error.code}: {reply.error.reason}")
         problem = _unmasked(reply.content, session)
         return reply if problem is None else refuse(msg, problem)
 

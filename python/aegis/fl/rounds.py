@@ -20,6 +20,7 @@ from flwr.clientapp import ClientApp
 from torch import Tensor, nn
 
 from ..config import AegisConfig
+from ..exposure import IN_MEMORY, ExposurePolicy
 from ..defence import Aegis, Batch, Defence, LossFn, NoDefence, core_defence, lm_loss
 from ..shield import protect
 from .client import AegisMod, ClientTrainer, config_from_run_config, load_arrays, server_round_of, trainable_arrays
@@ -75,7 +76,7 @@ def run_rounds(
 
     model:           the initial global model (copied for the server and every client; left untouched).
     client_batches:  ``client_batches[c]`` is client c's private batches; round r uses batch (r-1) mod len.
-    defence:         ``None``/"none", an AEGIS spec ("aegis", "aegis-utility") or ``AegisConfig`` — clients
+    defence:         ``None``/"none", an AEGIS spec ("aegis", "aegis-reconstruction") or ``AegisConfig`` — clients
                      then run under AegisMod, configured from ``run_config`` — or a baseline spec for
                      :func:`aegis.baselines.make_defence` ("prune-90", ...) or a factory ``() -> Defence``
                      (called once per client, so per-client state such as DP accounting stays separate).
@@ -87,6 +88,8 @@ def run_rounds(
     quiet:           silence Flower's INFO logging for the run.
     """
     aegis_config, factory = _resolve_defence(defence)
+    if aegis_config is not None and aegis_config.exposure_state is None:
+        aegis_config = aegis_config.replace(exposure_state=IN_MEMORY)  # simulated clients: counts live for the run
     run_config = dict(run_config or {})
     faults = dict(faults or {})
     for (r, c), kind in faults.items():
@@ -96,7 +99,8 @@ def run_rounds(
     server_model = copy.deepcopy(model)
     if aegis_config is not None:
         # The global state is what AEGIS clients share: trainable parameters with attention frozen.
-        protect(server_model, None, config_from_run_config(run_config, aegis_config))
+        server_config = config_from_run_config(run_config, aegis_config).replace(exposure=ExposurePolicy.OFF)
+        protect(server_model, None, server_config)  # the server exports nothing: no budget to keep
     trainers, apps, contexts = [], {}, {}
     for c, batches in enumerate(client_batches):
         node = FIRST_NODE_ID + c

@@ -12,6 +12,7 @@ import math
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from ..exposure import ExposurePolicy
 from ..shield import protect
 from .client import config_from_run_config, load_arrays, trainable_arrays
 from .strategy import FedSGD
@@ -27,7 +28,8 @@ def main(grid: Grid, context: Context) -> None:
     also written to ``context.state["evaluation"]`` (lists indexed by round, round 0 = initial model)."""
     s = settings(context.run_config)
     model, tok = decoder(s)
-    protect(model, None, config_from_run_config(context.run_config))
+    # the server exports nothing: no exposure budget to keep
+    protect(model, None, config_from_run_config(context.run_config).replace(exposure=ExposurePolicy.OFF))
     validation = validation_batches(tok)
     history: dict[str, list[float]] = {"validation-loss": [], "validation-perplexity": []}
 

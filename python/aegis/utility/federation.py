@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,7 +20,7 @@ from torch import Tensor, nn
 from ..config import AegisConfig
 from ..data import Example
 from ..defence import Aegis, Defence
-from ..exposure import ExposurePolicy
+from ..exposure import IN_MEMORY, ExposurePolicy
 from .config import Algorithm, Optimizer, UtilityConfig
 from .split import BatchStream
 
@@ -41,9 +40,9 @@ def lr_at(round_: int, config: UtilityConfig) -> float:
 def make_defence(name: str | AegisConfig, exposure: ExposurePolicy = ExposurePolicy.SILENCE) -> Defence:
     """One client's defence. AEGIS silences over-budget steps, or (``OFF``) tracks no budget at all."""
     if isinstance(name, AegisConfig):  # a candidate configuration (aegis calibrate)
-        return Aegis(name.replace(exposure=exposure))
-    if name.startswith("aegis-"):
-        return Aegis(AegisConfig(preset=name.partition("-")[2], exposure=exposure))
+        return Aegis(name.replace(exposure=exposure, exposure_state=IN_MEMORY))
+    if name.startswith("aegis-"):  # simulated clients: their counts live for the run, never in the user's cache
+        return Aegis(AegisConfig(preset=name.partition("-")[2], exposure=exposure, exposure_state=IN_MEMORY))
     from ..baselines import make_defence as baseline
 
     return baseline(name)
@@ -55,34 +54,11 @@ def make_optimizer(kind: Optimizer, params: list[nn.Parameter], lr: float) -> to
     return torch.optim.SGD(params, lr=lr)
 
 
-class ExposureMirror:
-    """The shield's exposure rule, counted on the harness's side so the run can report silenced steps: a
-    step is silenced when one of its examples (token ids without padding) was already exported ``budget``
-    times; otherwise each of its examples counts once more."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.counts: Counter[tuple[int, ...]] = Counter()
-
-    @staticmethod
-    def keys(batch: dict[str, Tensor]) -> list[tuple[int, ...]]:
-        return [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
-
-    def step(self, batch: dict[str, Tensor]) -> bool:
-        """Record one defended step of ``batch``; True when the shield silences it."""
-        keys = set(self.keys(batch))
-        if any(self.counts[k] >= self.budget for k in keys):
-            return True
-        self.counts.update(keys)
-        return False
-
-
 @dataclass
 class Client:
     model: nn.Module
     defence: Defence
     stream: BatchStream
-    mirror: ExposureMirror | None
     steps: int = 0
     silenced: int = 0
 
@@ -141,11 +117,8 @@ def federate(
     for c, shard in enumerate(shards):
         local = copy.deepcopy(model).to(device).eval()
         d = make_defence(defence, config.exposure).attach(local)
-        # the mirror counts what the shield silences; with the budget off nothing is
-        silences = isinstance(d, Aegis) and d.config.exposure is ExposurePolicy.SILENCE
-        budget = d.config.exposures if silences else None
         stream = BatchStream(shard, config.batch_size, config.seed * 1000 + c)
-        clients.append(Client(local, d, stream, ExposureMirror(budget) if budget else None))
+        clients.append(Client(local, d, stream))
     # what the clients train (AEGIS froze attention on theirs); the global model moves only there
     names = [n for n, p in clients[0].model.named_parameters() if p.requires_grad]
     params = dict(global_model.named_parameters())
@@ -226,13 +199,13 @@ def _defended_step(
 ) -> None:
     """Backward and defence on ``batch``; FedAvg (``opt``) then steps the local model."""
     batch = {k: v.to(device) for k, v in batch.items()}
-    if client.mirror is not None and client.mirror.step(batch):
-        client.silenced += 1
     client.steps += 1
     for p in client.model.parameters():
         p.grad = None
     client.defence.backward(batch)
     client.defence.defend_()
+    if isinstance(client.defence, Aegis) and client.defence.shield is not None:
+        client.silenced = client.defence.shield.silenced_steps  # the shield's own count (ExposurePolicy.SILENCE)
     if opt is not None:
         opt.step()
 
