@@ -4,7 +4,8 @@ open Lake DSL
 /-!
 Lean 4 + Mathlib formalisation of the AEGIS theorems (Theorems 1-3, Proposition 1).
 
-One pinned Mathlib release tag; `lean-toolchain` holds the same version.
+One pinned Mathlib release tag; `lean-toolchain` holds the same version and `lake-manifest.json`
+the tag's commit (and its dependencies' commits).
 Check with: `lake exe cache get && lake build` (see `proofs/README.md`).
 -/
 

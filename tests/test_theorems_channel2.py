@@ -56,12 +56,41 @@ def test_rows_second_moment_batch(tau):
     assert_mean_close(y, mean, var, "batch rows second moment")
 
 
+@pytest.mark.parametrize("tau", [0.0, 0.2])
+def test_rows_relative_inflation_general_c(tau):
+    """channel2_relative_inflation (the paper's Theorem 2 (3)): with Assumption 1 for a constant C
+    (||g_u|| <= C m_bar on S), 0 <= (E||out_v||^2 - d sigma^2) / (d sigma^2) <= rho^2 C^2 / (d lam^2)
+    for every row, tau = 0 included. C* = max_S ||g_u|| / m_bar is the smallest C the gradient
+    satisfies; the bound is attained at the largest row, so every C < C* fails (the control).
+    Exactly, and as estimated from the shipped flood (6 SE on both sides)."""
+    g = grad_rows(V, D, seed=4, zero_rows=2, spread=4.0)
+    g64 = g.double()
+    rho, lam = 0.3, 0.5
+    active, _, mbar = batch_rows(g64, tau)
+    n = torch.linalg.vector_norm(g64, dim=1)
+    if tau == 0.0:  # tau = 0: exactly the non-zero rows are active
+        assert bool((active == (n > 0)).all())
+    sigma = lam * mbar
+    c_star = (n[active] / mbar).max().item()
+    coef = active.double() * rho  # float64: the equality below is checked to 1e-12
+    exact_ratio = coef**2 * n**2 / (D * sigma**2)
+    bound = rho**2 * c_star**2 / (D * lam**2)
+    assert bool((exact_ratio >= 0).all()) and bool((exact_ratio <= bound * (1 + 1e-12)).all())
+    assert exact_ratio.max().item() == pytest.approx(bound, rel=1e-12)  # attained
+    assert exact_ratio.max().item() > rho**2 * (0.99 * c_star) ** 2 / (D * lam**2)  # smaller C fails
+    y = flood_draws(g, "rows", ref.batch_params(g, "rows", rho, lam, tau), K).pow(2).sum(-1)
+    _, var = row_moments(coef, g64, sigma)
+    estimate = (y.mean(0) - D * sigma**2) / (D * sigma**2)
+    tol = Z_TOL * (var / K).sqrt() / (D * sigma**2) + 1e-5
+    assert bool((estimate <= bound + tol).all()) and bool((estimate >= -tol).all())
+
+
 @pytest.mark.parametrize("tau", [0.01, 0.2])
 @pytest.mark.parametrize("lam", [0.5, 1.0])
 def test_rows_relative_inflation_batch(tau, lam):
-    """channel2_relative_inflation: (E||out_v||^2 - d sigma^2) / (d sigma^2) <= rho^2 / (d lam^2 tau^2)
-    with sigma = lam m_bar, for every row: exactly from the mechanism, and as estimated from the
-    shipped flood (6 SE). Control: the constant C = 1 in place of 1/tau is violated."""
+    """channel2_relative_inflation_tau (corollary, C = 1/tau): with sigma = lam m_bar,
+    (E||out_v||^2 - d sigma^2) / (d sigma^2) <= rho^2 / (d lam^2 tau^2) for every row: exactly from the
+    mechanism, and as estimated from the shipped flood (6 SE). Control: C = 1 in place of 1/tau is violated."""
     g = grad_rows(V, D, seed=4, zero_rows=2, spread=4.0)
     g64 = g.double()
     rho = 0.3

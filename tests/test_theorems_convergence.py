@@ -99,9 +99,11 @@ def run_sgd(x0: torch.Tensor, rho: float, sigma: float, c: float, eta: float, st
 
 
 @pytest.mark.parametrize("start", ["far", "optimum"])
-def test_biased_sgd_bound_on_a_quadratic(start):
-    """biased_sgd_bound: eta/2 sum_{t<T} k_t E||grad f(x_t)||^2 <= f(x_0) - f* + T L/2 eta^2 d sigma^2
-    (L eta k_t <= 1), on the shipped flood: the mean over chains is below the bound + 6 SE.
+def test_telescoped_descent_on_a_quadratic(start):
+    """telescope_assumed_expected_descent: eta/2 sum_{t<T} k_t E||grad f(x_t)||^2 <= f(x_0) - f*
+    + T L/2 eta^2 d sigma^2 (L eta k_t <= 1). The Lean lemma assumes the per-step recursion; this
+    twin runs the shipped flood, where the recursion holds, and checks the telescoped conclusion:
+    the mean over chains is below the bound + 6 SE.
     Starting at the optimum, the left side is positive while f(x_0) - f* = 0: the noise term of
     the bound is needed (the control)."""
     rho, sigma, steps, chains = 0.5, 0.3, 20, 48
