@@ -253,27 +253,40 @@ def clip_scale(norm: Tensor, clip: Tensor) -> Tensor:
     return torch.where(norm > clip, clip / norm.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(norm))
 
 
-def flood_rows(grad: Tensor, params: Tensor, z: Tensor, zb: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Rows flood with noise ``z`` (or summands z, zb); stats = [sigma, |S|, |S clipped|, max n_v]."""
+def rows_scale(g: Tensor, params: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows flood of fp32 ``g`` without the noise: each row's factor (E1, E2, C) and the stats
+    [sigma, |S|, |S clipped|, max n_v]."""
     rho, sigma, clip, thr = params.float().unbind()
-    g = grad.float()
     norms = torch.linalg.vector_norm(g, dim=1)  # (E1)
     active = norms > thr  # (E2)
     scale = torch.where(active, rho * clip_scale(norms, clip), 0.0)  # (C)
-    out = add_noise(scale[:, None] * g, sigma, z, zb)  # (E4)
     peak = norms.amax() if norms.numel() else norms.new_zeros(())
-    stats = torch.stack((sigma, active.sum().float(), (active & (norms > clip)).sum().float(), peak))
+    return scale, torch.stack((sigma, active.sum().float(), (active & (norms > clip)).sum().float(), peak))
+
+
+def flood_rows(grad: Tensor, params: Tensor, z: Tensor, zb: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Rows flood with noise ``z`` (or summands z, zb); stats = [sigma, |S|, |S clipped|, max n_v]."""
+    g = grad.float()
+    scale, stats = rows_scale(g, params)
+    out = add_noise(scale[:, None] * g, stats[0], z, zb)  # (E4)
     return _finish(out, stats, grad)
+
+
+def matrix_scale(g: Tensor, params: Tensor) -> tuple[Tensor, Tensor]:
+    """Matrix flood of fp32 ``g`` without the noise: the factor rho min(1, clip / ||G||_F) (C) and the
+    stats [sigma, ||G||_F, factor]."""
+    rho, sigma, clip, _ = params.float().unbind()
+    norm = torch.linalg.vector_norm(g)
+    scale = rho * clip_scale(norm, clip)  # (C)
+    return scale, torch.stack((sigma, norm, scale))
 
 
 def flood_matrix(grad: Tensor, params: Tensor, z: Tensor, zb: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Matrix flood with noise ``z`` (or summands z, zb); stats = [sigma, ||G||_F, rho min(1, clip/||G||)]."""
-    rho, sigma, clip, _ = params.float().unbind()
     g = grad.float()
-    norm = torch.linalg.vector_norm(g)
-    scale = rho * clip_scale(norm, clip)  # (C)
-    out = add_noise(scale * g, sigma, z, zb)  # (E5)
-    return _finish(out, torch.stack((sigma, norm, scale)), grad)
+    scale, stats = matrix_scale(g, params)
+    out = add_noise(scale * g, stats[0], z, zb)  # (E5)
+    return _finish(out, stats, grad)
 
 
 def as_params(params: Tensor | Sequence[float], device: torch.device) -> Tensor:
