@@ -105,8 +105,7 @@ theorem channel3_bias_frobenius_batch {m n : ℕ} (ρ lam : ℝ) (hρ1 : ρ ≤ 
       = fun i j => (ρ - 1) * G i j := by
     funext i j
     exact channel3_decomposition_batch ρ lam G Z hZ i j
-  rw [hfun]
-  exact froNorm_bias ρ hρ1 G
+  exact (congrArg froNorm hfun).trans (froNorm_bias ρ hρ1 G)
 
 /-- **Theorem 3 (1), the matrix identity (public calibration).** With the shipped clip,
 `‖E out − G‖_F = (1 − ρ min(1, c/‖G‖_F)) ‖G‖_F` for `0 ≤ ρ ≤ 1`, `c ≥ 0`. -/
@@ -124,8 +123,7 @@ theorem channel3_bias_frobenius {m n : ℕ} (ρ σ c : ℝ) (hρ0 : 0 ≤ ρ) (h
       = fun i j => (ρ * clipScale c (froNorm G) - 1) * G i j := by
     funext i j
     exact channel3_decomposition ρ σ c G Z hZ i j
-  rw [hfun]
-  exact froNorm_bias (ρ * clipScale c (froNorm G)) hk G
+  exact (congrArg froNorm hfun).trans (froNorm_bias (ρ * clipScale c (froNorm G)) hk G)
 
 /-- **Theorem 3 (3), as the paper states it.** Batch calibration `σ = λ m̄` (`m̄ = mean |G|`),
 `λ > 0`, `m̄ > 0`, and the paper's assumption with any constant `C`: `‖G‖_F ≤ C m̄`. Then the

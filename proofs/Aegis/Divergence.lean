@@ -102,11 +102,9 @@ theorem row_llr_absent {d : ℕ} (k σ : ℝ) (hσ : σ ≠ 0) (g : Fin d → �
     ∫ ω, ∑ i, gaussLogLR (k * g i) 0 (nnsq σ) (k * g i + σ * X i ω) ∂μ
       = k ^ 2 * sqNorm g / (2 * σ ^ 2) := by
   have hs : sqNorm (fun i => k * g i - 0) = k ^ 2 * sqNorm g := by
-    have hf : (fun i => k * g i - 0) = fun i => k * g i := by
-      funext i
-      ring
-    rw [hf]
-    exact sqNorm_smul k g
+    unfold sqNorm
+    rw [Finset.mul_sum]
+    exact Finset.sum_congr rfl (fun i _ => by first | ring | (beta_reduce; ring))
   have h := row_expected_llr (μ := μ) (fun i => k * g i) (fun _ => 0) σ hσ X hX
   rw [← hs]
   exact h
