@@ -147,7 +147,7 @@ def _variants():
         "inside a sliding window": rows(TEXT[3:3 + 2 * WINDOW]),
         "packed with another example": rows(torch.cat([wrap(other), wrap(TEXT)])),
         "left padded": (torch.cat([torch.full((1, 4), PAD), wrap(TEXT)[None]], 1),
-                        torch.cat([torch.zeros(1, 4, dtype=torch.int64), torch.ones(1, len(TEXT) + 2, dtype=torch.int64)], 1)),
+                        torch.cat([torch.zeros(1, 4), torch.ones(1, len(TEXT) + 2)], 1).long()),
         "in a batch with others": rows(wrap(other), wrap(TEXT)),
     }
 

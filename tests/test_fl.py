@@ -17,7 +17,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from aegis import AegisConfig, Preset, protect
 from aegis.baselines import DPSGD
 from aegis.defence import NoDefence, lm_loss
-from aegis.fl.client import REFUSAL
 from aegis.fl import (
     AegisMod,
     ClientTrainer,
@@ -31,6 +30,7 @@ from aegis.fl import (
     run_rounds,
     trainable_arrays,
 )
+from aegis.fl.client import REFUSAL
 
 transformers.logging.set_verbosity_error()
 README = Path(__file__).resolve().parents[1] / "python" / "aegis" / "fl" / "README.md"
@@ -341,7 +341,8 @@ def test_trainer_refuses_to_run_aegis_without_the_mod():
 def test_trainer_rejects_global_arrays_that_do_not_match_its_trainable_parameters():
     trainer = ClientTrainer(tiny_gpt2(), [lm_batch()])
     everything = trainable_arrays(tiny_gpt2())  # attention included: AEGIS clients never take those
-    assert "do not match the trainable parameters" in _error_reason(AegisMod()(instruction(everything), context(), trainer))
+    reply = AegisMod()(instruction(everything), context(), trainer)
+    assert "do not match the trainable parameters" in _error_reason(reply)
 
 
 # -- FedSGD -------------------------------------------------------------------------------------

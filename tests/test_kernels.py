@@ -15,6 +15,7 @@ and CUDA-graph capture of flood_keyed_ replaying with a fresh key every replay.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import types
@@ -896,6 +897,7 @@ def test_gpu_shield_mask_is_graph_capturable():
         shield.mask_()  # warm-up (calibrates, compiles, caches the tables)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    model(input_ids=ids, labels=ids).loss.backward()  # mask_() needs a backward since the last step
     with torch.cuda.graph(graph):
         for p, c in zip(params, clean):
             p.grad.copy_(c)
@@ -909,6 +911,7 @@ def test_gpu_shield_mask_is_graph_capturable():
     assert state[8].item() == steps[-1] + 1 and len(set(steps)) == 3
     assert not torch.equal(results[0][0], results[1][0])
     for step, got in zip(steps, results):
+        model(input_ids=ids, labels=ids).loss.backward()
         for p, c in zip(params, clean):
             p.grad.copy_(c)
         state[8] = step
@@ -943,10 +946,11 @@ def test_gpu_graphed_mask_equals_eager_and_replays():
     from aegis.config import AegisConfig
 
     model, ids = _tiny_gpt2_on_gpu()
+    twin = copy.deepcopy(model)  # one shield per model: the eager reference floods the twin's gradients
     with pytest.warns(UserWarning, match="FIXED"):
         config = AegisConfig(seed=7, cuda_graph=True, exposure=aegis.ExposurePolicy.OFF)  # one batch, 8 exports
         graphed = aegis.protect(model, config=config)
-        eager = aegis.protect(model, config=config)
+        eager = aegis.protect(twin, config=config)
     graphed.calibrate()
     eager.calibrate()
     eager._params.copy_(graphed._params)  # one public calibration (GPU autograd sums are not bitwise repeatable)
@@ -962,7 +966,9 @@ def test_gpu_graphed_mask_equals_eager_and_replays():
         clean = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         graphed.mask_()
         got = graphed.export()
-        for n, p in model.named_parameters():
+        twin.zero_grad(set_to_none=True)
+        twin(input_ids=ids, labels=ids).loss.backward()
+        for n, p in twin.named_parameters():
             if n in clean:
                 p.grad.copy_(clean[n])
         eager.mask_()
@@ -990,6 +996,7 @@ def test_gpu_graphed_mask_secret_key_is_fresh_per_replay():
     clean = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     outs = []
     for _ in range(4):
+        model(input_ids=ids, labels=ids).loss.backward()
         for n, p in model.named_parameters():
             if n in clean:
                 p.grad.copy_(clean[n])

@@ -29,7 +29,8 @@ def _weights(model):
 
 # -- non-finite gradients -----------------------------------------------------------------------------
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
-@pytest.mark.parametrize("where", ["transformer.wte.weight", "transformer.h.0.mlp.c_fc.weight", "transformer.ln_f.bias"])
+@pytest.mark.parametrize("where", ["transformer.wte.weight", "transformer.h.0.mlp.c_fc.weight",
+                                   "transformer.ln_f.bias"])
 def test_a_non_finite_gradient_skips_the_step(value, where):
     model, opt, shield = _setup()
     before = _weights(model)

@@ -192,10 +192,11 @@ class Shield:
                 "mask_() with no gradient since the last step: call loss.backward() first (flooding zeros would "
                 "export and step on noise alone)"
             )
+        grads: list[Tensor] = []
         for p in self._flooded:
             if p.param.grad is None:
                 p.param.grad = torch.zeros_like(p.param)
-        grads = [p.param.grad for p in self._flooded]
+            grads.append(p.param.grad)
         tensors, modes = self._views(grads)
         silenced = False
         if tensors:
@@ -447,7 +448,10 @@ def _unchanged(snapshot: list[tuple[weakref.ref | None, int]], grads: list[Tenso
         if ref_ is None:
             if grad is not None:
                 return False
-        elif grad is None or ref_() is not grad or grad._version != version:
+            continue
+        if grad is None:
+            return False
+        if grad._version != version or ref_() is not grad:
             return False
     return True
 
