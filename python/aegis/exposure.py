@@ -163,7 +163,7 @@ class ExposureStore:
 def fingerprints(row: np.ndarray, special: frozenset[int]) -> list[np.ndarray]:
     """The token windows one row of ids is counted by (see the module docstring)."""
     cuts = np.flatnonzero(np.isin(row, list(special))) if special else np.empty(0, dtype=np.int64)
-    out = []
+    out: list[np.ndarray] = []
     for segment in np.split(row, cuts):
         segment = segment[~np.isin(segment, list(special))] if special else segment
         n = len(segment)
