@@ -1,9 +1,9 @@
 """torch.ops.aegis.*: the flood ops (docs/design.md §2), and every registration of them.
 
 Importing this module defines the ops with the PyTorch reference (``aegis_kernels.reference``) as the
-implementation on every device. ``register_triton_kernels()`` puts the fused Triton kernels
-(``aegis_kernels.triton``) on the CUDA key on top of it; ``aegis_kernels/__init__.py`` calls it when
-Triton is installed. No other module registers anything with torch.library.
+implementation on every device. ``register_cpu_kernels()`` puts the numba CPU flood
+(``aegis_kernels.cpu``) on the CPU key, ``register_triton_kernels()`` the fused Triton kernels
+(``aegis_kernels.triton``) on the CUDA key; ``aegis_kernels/__init__.py`` calls both. No other module registers anything with torch.library.
 Keys, parameters and offsets are explicit arguments, so every op is a pure function of its
 inputs (what opcheck, torch.compile and CUDA-graph replay need).
 """
@@ -72,13 +72,63 @@ def _noise_fake(shape, key, offset, dtype, device):
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
+# ----------------------------------------------------------------------------- CPU: the numba flood
+_CPU_LIB: torch.library.Library | None = None
+_WARNED = False
+
+
+def _cpu_fallback() -> bool:
+    """True (after one warning per process) when numba is missing and the reference serves CPU."""
+    global _WARNED
+    from .cpu import HAS_NUMBA
+
+    if HAS_NUMBA:
+        return False
+    if not _WARNED:
+        import warnings
+
+        warnings.warn("aegis_kernels: numba is not installed, so CPU floods run the PyTorch reference (10-100x "
+                      "slower); pip install 'aegis-flood[cpu]' for the vectorised CPU flood", stacklevel=3)
+        _WARNED = True
+    return True
+
+
+def register_cpu_kernels() -> None:
+    """Make aegis_kernels.cpu the CPU implementation of flood and flood_ (flood_keyed_ calls flood_);
+    without numba the reference stays, with a warning at the first CPU flood. Idempotent.
+    Registered on the dispatcher's CPU key directly, as the CUDA kernels are."""
+    global _CPU_LIB
+    if _CPU_LIB is not None:
+        return
+
+    def _flood_cpu(grad, mode, params, key, offset):
+        if _cpu_fallback():
+            out, stats = ref.flood(grad, mode, params, key, offset)
+            return out.contiguous().clone() if out is grad else out.contiguous(), stats
+        from .cpu import flood as cpu
+
+        return cpu.flood(grad, mode, params, key, offset)
+
+    def _flood__cpu(grads, modes, params, key):
+        if _cpu_fallback():
+            ref.flood_many_(grads, ref.split_modes(modes), params, key)
+            return
+        from .cpu import flood as cpu
+
+        cpu.flood_(grads, modes, params, key)
+
+    lib = torch.library.Library("aegis", "IMPL")
+    lib.impl("flood", _flood_cpu, "CPU")
+    lib.impl("flood_", _flood__cpu, "CPU")
+    _CPU_LIB = lib
+
+
 # ----------------------------------------------------------------------------- CUDA: the Triton kernels
 _TRITON_LIB: torch.library.Library | None = None
 
 
 def register_triton_kernels() -> None:
-    """Make the fused Triton kernels the CUDA implementations of torch.ops.aegis.* (CPU keeps the
-    reference). Idempotent.
+    """Make the fused Triton kernels the CUDA implementations of torch.ops.aegis.*. Idempotent.
 
     flood, flood_ and flood_keyed_ go on the dispatcher's CUDA key directly: custom_op's
     register_kernel wraps every call in a Python aliasing check that measured ~80 us per call on an
