@@ -155,9 +155,11 @@ def _run(jobs: list[_Job], key: Tensor, threads: int) -> None:
         raise errors[0]
 
 
-def _job(grad: Tensor, out: Tensor, mode: str, params: Tensor, offset: int) -> tuple[_Job, Tensor]:
-    """The job of one contiguous tensor (output ``out``, same shape and dtype) and its stats."""
-    g = grad.float()
+def _job(grad: Tensor, src: Tensor, out: Tensor, mode: str, params: Tensor, offset: int) -> tuple[_Job, Tensor]:
+    """The job of ``grad`` read from its contiguous form ``src`` into ``out`` (``src`` again in place), and
+    its stats. The factors come from ``grad`` as the reference reads it (a norm's summation order
+    follows the layout)."""
+    g = grad.detach().float()
     if mode == "rows":
         scale, stats = ref.rows_scale(g, params)
         d = max(grad.shape[1], 1)
@@ -167,7 +169,7 @@ def _job(grad: Tensor, out: Tensor, mode: str, params: Tensor, offset: int) -> t
     per = ref.words_per_element(grad.dtype)
     sigma = stats[0]
     w = sigma if per == 1 else (sigma * ref.INV_SQRT2).float()  # reference.add_noise's weight
-    job = _Job(grad.reshape(-1), out.reshape(-1), scale.numpy(), d, np.float32(w.item()), per,
+    job = _Job(src.reshape(-1), out.reshape(-1), scale.numpy(), d, np.float32(w.item()), per,
                offset // ref.BLOCK_WORDS)
     return job, stats
 
@@ -190,7 +192,7 @@ def flood(grad: Tensor, mode: str, params: Tensor, key: Tensor, offset: int = 0,
     with torch_threads(1):
         g = grad.detach().contiguous()
         out = torch.empty_like(g, memory_format=torch.contiguous_format)
-        job, stats = _job(g, out, mode, params, offset)
+        job, stats = _job(grad, g, out, mode, params, offset)
         _run([job], key, threads)
         _fail_closed(job, stats)
     return out, stats
@@ -211,7 +213,7 @@ def flood_(grads: list[Tensor], modes: str, params: Tensor, key: Tensor, threads
         jobs, stats, copies = [], [], []
         for g, mode, p, offset in zip(grads, mode_list, params, offsets):
             work = g.detach() if g.is_contiguous() else g.detach().contiguous()  # flood a copy, write it back
-            job, st = _job(work, work, mode, p, offset)
+            job, st = _job(g, work, work, mode, p, offset)
             jobs.append(job)
             stats.append(st)
             copies.append((g, work))
@@ -224,8 +226,10 @@ def flood_(grads: list[Tensor], modes: str, params: Tensor, key: Tensor, threads
 
 
 def keystream(key: Tensor, block0: int, count: int, domain: int = ref.NOISE_DOMAIN) -> Tensor:
-    """reference.keystream(key, arange(block0, block0 + count)): (count, 16) int64 words."""
+    """reference.keystream(key, arange(block0, block0 + count)): (count, 16) int64 words; the 64-bit
+    counter wraps, block0 in [0, 2^64)."""
     ref.check_key(key)
     w = np.empty((ref.BLOCK_WORDS, count), np.uint32)
-    K.words(key.cpu().numpy().astype(np.uint64), block0, domain, w)
+    signed = block0 - 2**64 if block0 >= 2**63 else block0  # the kernel's int64 argument, same bits
+    K.words(key.cpu().numpy().astype(np.uint64), signed, domain, w)
     return torch.from_numpy(w.T.astype(np.int64))
