@@ -3,7 +3,8 @@
 Importing this module defines the ops with the PyTorch reference (``aegis_kernels.reference``) as the
 implementation on every device. ``register_cpu_kernels()`` puts the numba CPU flood
 (``aegis_kernels.cpu``) on the CPU key, ``register_triton_kernels()`` the fused Triton kernels
-(``aegis_kernels.triton``) on the CUDA key; ``aegis_kernels/__init__.py`` calls both. No other module registers anything with torch.library.
+(``aegis_kernels.triton``) on the CUDA key; ``aegis_kernels/__init__.py`` calls both.
+No other module registers anything with torch.library.
 Keys, parameters and offsets are explicit arguments, so every op is a pure function of its
 inputs (what opcheck, torch.compile and CUDA-graph replay need).
 """
