@@ -28,7 +28,7 @@ RESULTS = Path(__file__).parent / "results"
 # Variants by suffix: "+keep-grads" zeroes gradients in place (zero_grad(set_to_none=False)) so they
 # keep their addresses; "+flood-graph" turns on AegisConfig.cuda_graph, whose replay needs that.
 KEEP_GRADS, FLOOD_GRAPH = "keep-grads", "flood-graph"
-DEFENCES = ("none", "aegis-paper", "dp-sgd-C1-z1", "prune-90", "soteria-80")
+DEFENCES = ("none", "aegis-verification", "dp-sgd-C1-z1", "prune-90", "soteria-80")
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> Path:
             rows.append(_row(setting, name, result))
         if device.type == "cuda" and setting.model == "gpt2" and not args.no_cuda_graph:
             graphed = {}
-            for name, on in (("none+graph", False), ("aegis-paper+graph", True)):
+            for name, on in (("none+graph", False), ("aegis-verification+graph", True)):
                 try:
                     graphed[name] = run_graphed(setting, on, device, warmup, steps)
                 except Exception as err:  # capture limits of a given torch/transformers pair are reported

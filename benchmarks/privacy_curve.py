@@ -13,7 +13,7 @@ Attacks (the server holds the model and the public defence configuration, never 
   ``aegis.attacks.candidates``); null: 1/N.
 
 The lambda curves flood every rows tensor (embeddings, LM head, classifier) and the MLP with the same
-(lambda, rho) and no snr cap, norms and biases as in ``paper``; the K curves run the presets themselves
+(lambda, rho) and no snr cap, norms and biases as in ``paper``; the K curves run the presets that protect
 with the exposure budget off (the shield would refuse past it), K = 1 .. 64 averaged exports
 (``attacks.repeated.averaged_export``). The noise is keyed torch.randn unless ``--cipher`` (same law; the
 attacks never see the key).
@@ -45,7 +45,7 @@ from aegis.attacks import dager, embedding_norm, mlp_span, shared_gradient, spec
 from aegis.attacks.candidates import Verifier, secret_candidates, verification_accuracy  # noqa: E402
 from aegis.attacks.labels import label_leak, label_test  # noqa: E402
 from aegis.attacks.repeated import averaged_export  # noqa: E402
-from aegis.config import PRESET_EXPOSURES  # noqa: E402
+from aegis.config import Preset  # noqa: E402
 from aegis.data import LABELS, load_corpus  # noqa: E402
 from aegis.metrics import null_gradient, rouge  # noqa: E402
 from aegis.models import default_decoder, default_encoder  # noqa: E402
@@ -60,12 +60,14 @@ TEXT_ATTACKS = {"dager": dager, "embedding_norm": embedding_norm, "mlp_span": ml
 ATTACKS = (*TEXT_ATTACKS, "labels", "fingerprint")
 ROWS = ("token_embedding", "position_embedding", "lm_head", "head", "token_embedding_lora")
 PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(10000)]
+CURVE_PRESETS = (Preset.VERIFICATION, Preset.RECONSTRUCTION)  # the K curves (``paper`` is the lambda curves)
 
 
 def uniform(lam: float, rho: float) -> AegisConfig:
     """``paper`` with every rows flood and the MLP at (lam, rho), no snr cap: the curves' x axis."""
     rows, mlp = Treatment("rows", lam=lam, rho=rho), Treatment("matrix", lam=lam, rho=rho)
-    return AegisConfig(preset="paper", overrides={**{r: rows for r in ROWS}, "mlp": mlp}, exposure=ExposurePolicy.OFF)
+    overrides = {**{r: rows for r in ROWS}, "mlp": mlp}
+    return AegisConfig(preset=Preset.PAPER, overrides=overrides, exposure=ExposurePolicy.OFF)
 
 
 class Curve:
@@ -156,9 +158,9 @@ def score_text(points: dict) -> bool:
 def plan(lams, exposures) -> dict[str, tuple[AegisConfig, int]]:
     """point key -> (configuration, K): the lambda curves at K = 1, then each preset's K curve."""
     out = {f"rho {rho} lam {lam}": (uniform(lam, rho), 1) for rho in RHOS for lam in lams}
-    for preset in ("paper", "utility"):
+    for preset in CURVE_PRESETS:
         for k in exposures:
-            out[f"{preset} K={k}"] = (AegisConfig(preset=preset, exposure=ExposurePolicy.OFF), k)
+            out[f"{preset.value} K={k}"] = (AegisConfig(preset=preset, exposure=ExposurePolicy.OFF), k)
     return out
 
 
@@ -181,7 +183,7 @@ def curves(points: dict, lams, exposures) -> dict:
         return {a: {m: [points[key][a][m] for key in keys] for m in ("score", "null")} for a in ATTACKS}
 
     return {"lam_curves": {str(rho): series([f"rho {rho} lam {lam}" for lam in lams]) for rho in RHOS} if lams else {},
-            "exposure_curves": {p: series([f"{p} K={k}" for k in exposures]) for p in ("paper", "utility")}}
+            "exposure_curves": {p.value: series([f"{p.value} K={k}" for k in exposures]) for p in CURVE_PRESETS}}
 
 
 def _line(point: dict) -> str:
@@ -291,7 +293,8 @@ def main(argv=None) -> None:
         "noise": "reference cipher" if args.cipher else "keyed torch.randn (same law as the cipher)",
         "batch_size": args.batch_size, "sentences": args.sentences, "label_batches": args.label_batches,
         "candidates": args.candidates, "trials": args.trials, "quick": quick, "seed": args.seed,
-        "lams": list(lams), "rhos": list(RHOS), "exposures": list(exposures), "budgets": dict(PRESET_EXPOSURES),
+        "lams": list(lams), "rhos": list(RHOS), "exposures": list(exposures),
+        "budgets": {p.value: p.promise.exposures for p in CURVE_PRESETS},
         "metric": {a: "rouge1" for a in TEXT_ATTACKS} | {"labels": "accuracy", "fingerprint": "accuracy"},
         "label_null": "the attack's guesses against the other batches' labels (label_test)",
     }

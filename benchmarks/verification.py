@@ -18,10 +18,10 @@ uniform guessing's (``null`` in the label rows). Chance of a 1-of-N guess is 1/N
 
     python benchmarks/verification.py                   # on CUDA: the Triton floods, the real cipher
     python benchmarks/verification.py --fast-noise      # CPU: keyed torch.randn instead of ChaCha
-    python benchmarks/verification.py --models llama --batch-sizes 8 --settings "paper K=,utility K=1" \
-        --exposures 2 --repeats 6 --skip-labels         # K = 1, 2, 4 of paper; six fresh-key runs per cell
+    python benchmarks/verification.py --models llama --batch-sizes 8 --settings "verification K=" \
+        --exposures 2 --repeats 6 --skip-labels         # K = 1, 2, 4 of verification; six fresh-key runs per cell
 
-    python benchmarks/verification.py --settings "paper K=4,past budget" --drift 1e-3 --skip-labels
+    python benchmarks/verification.py --settings "verification K=4,past budget" --drift 1e-3 --skip-labels
                                                         # the K exports from K rounds of a moving model
 
 A weak leak shows in the pool of many trials before any cell of 40 crosses its bar: ``--repeats`` measures
@@ -54,38 +54,41 @@ from aegis.attacks.candidates import Candidate, Verifier, score_accuracy, verifi
 from aegis.attacks.fingerprint import VARIANTS  # noqa: E402
 from aegis.attacks.labels import label_accuracy, label_leak, label_null  # noqa: E402
 from aegis.attacks.repeated import averaged_export, joint_scores  # noqa: E402
-from aegis.config import PRESET_EXPOSURES, PRESETS  # noqa: E402
+from aegis.config import Preset  # noqa: E402
 from aegis.data import LABELS, load_corpus  # noqa: E402
 from aegis.models import default_decoder, default_encoder  # noqa: E402
 
 PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(10000)]  # distinct: 7919 is prime to 10^4
 ROWS = ("token_embedding", "position_embedding", "lm_head", "token_embedding_lora", "head")
+PRESETS = tuple(p for p in Preset if p.promise.stops)  # the presets that promise something (not ``paper``)
 
 
 def settings(sweep: tuple[float, ...] = (), exposures: tuple[int, ...] = ()) -> dict[str, tuple[AegisConfig, int]]:
     """name -> (config, exports averaged). Exposure tracking is off: the attacker is handed K exports.
-    ``sweep``: the paper preset with every rows flood (embeddings, LM head, classifier) capped at these snr.
+    ``sweep``: the verification preset with every rows flood (embeddings, LM head, classifier) capped at these snr.
     ``exposures``: further K within each preset's budget (K = 1 and the budget itself are always there)."""
     base = dict(exposure=ExposurePolicy.OFF)
     out = {}
     for preset in PRESETS:
-        budget = PRESET_EXPOSURES[preset]
+        budget = preset.promise.exposures
         for k in sorted({1, budget, *(k for k in exposures if k <= budget)}):
-            out[f"{preset} K={k}"] = (AegisConfig(preset=preset, **base), k)
+            out[f"{preset.value} K={k}"] = (AegisConfig(preset=preset, **base), k)
         for k in (4 * budget, 16 * budget):  # past the promise: the shield would refuse these exports
-            out[f"past budget: {preset} K={k}"] = (AegisConfig(preset=preset, **base), k)
+            out[f"past budget: {preset.value} K={k}"] = (AegisConfig(preset=preset, **base), k)
+    # the controls: the verification preset with one thing weakened
+    v = Preset.VERIFICATION
     weak = Treatment("rows", lam=1.0, rho=0.3)
-    out["weak: batch calibration"] = (AegisConfig(preset="paper", calibration=Calibration.BATCH, **base), 1)
-    out["weak: rows rho 0.3"] = (AegisConfig(preset="paper", overrides={r: weak for r in ROWS}, **base), 1)
+    out["weak: batch calibration"] = (AegisConfig(preset=v, calibration=Calibration.BATCH, **base), 1)
+    out["weak: rows rho 0.3"] = (AegisConfig(preset=v, overrides={r: weak for r in ROWS}, **base), 1)
     bare = {role: Treatment(t.kind, lam=0.0, rho=1.0, clip=math.inf)  # the attack's ceiling: no noise, no clip
-            for role, t in AegisConfig(preset="paper").treatments.items() if t.kind != "frozen"}
-    out["no noise: rho 1 lam 0"] = (AegisConfig(preset="paper", overrides=bare, **base), 1)
+            for role, t in AegisConfig(preset=v).treatments.items() if t.kind != "frozen"}
+    out["no noise: rho 1 lam 0"] = (AegisConfig(preset=v, overrides=bare, **base), 1)
     silent = Treatment("rows", lam=1.0, rho=0.0)  # the attacks' empirical null: nothing of the batch leaves
-    out["no signal: rho 0"] = (AegisConfig(preset="paper", overrides={r: silent for r in ROWS}, **base), 1)
+    out["no signal: rho 0"] = (AegisConfig(preset=v, overrides={r: silent for r in ROWS}, **base), 1)
     for snr in sweep:
         capped = Treatment("rows", lam=1.0, rho=0.3, snr=snr)
         for k in (1, 4):  # K = 4: the positive control of the moving-model rounds (--drift)
-            out[f"rows snr {snr} K={k}"] = (AegisConfig(preset="paper", overrides={r: capped for r in ROWS}, **base), k)
+            out[f"rows snr {snr} K={k}"] = (AegisConfig(preset=v, overrides={r: capped for r in ROWS}, **base), k)
     return out
 
 
@@ -266,7 +269,7 @@ def main() -> None:
                         help="K > 1 settings only: the K exports come from K rounds of a model moving by this "
                              "share of each parameter's RMS per round, scored jointly (attacks.repeated.joint_scores)")
     parser.add_argument("--settings", default="",
-                        help="comma-separated name prefixes to run (default: all), e.g. 'paper,past budget: utility'")
+                        help="comma-separated name prefixes to run (default: all), e.g. 'verification,past budget'")
     parser.add_argument("--append", action="store_true", help="merge into an existing result file in --out")
     parser.add_argument("--resume", action="store_true",
                         help="with --append: keep the file's cells and measure only the missing ones")

@@ -27,8 +27,9 @@ def freeze_attention(model):
 
 
 def mlp_flooded(lam, rho, seed=0):
-    """Paper preset with only the MLP treatment changed."""
-    return aegis.AegisConfig(preset="paper", overrides={"mlp": aegis.Treatment("matrix", lam=lam, rho=rho)}, seed=seed)
+    """The verification preset with only the MLP treatment changed."""
+    mlp = aegis.Treatment("matrix", lam=lam, rho=rho)
+    return aegis.AegisConfig(preset="verification", overrides={"mlp": mlp}, seed=seed)
 
 
 @pytest.mark.parametrize("arch, kv", [("minilm", None), ("gpt2", None), ("llama", 2)])
@@ -86,7 +87,7 @@ def test_spectral_recovers_through_a_weak_flood_that_stops_mlp_span(frozen):
 def test_paper_preset_default_decoder(frozen):
     model, tok = frozen
     grads = shared_gradient(
-        model, SHORT, tok, shield=aegis.protect(model, config=aegis.AegisConfig(preset="paper", seed=0))
+        model, SHORT, tok, shield=aegis.protect(model, config=aegis.AegisConfig(preset="verification", seed=0))
     )
     for attack in SPAN_ATTACKS.values():
         null = null_baseline(attack, model, grads, tok, 1, SHORT)["rouge1"]
@@ -114,7 +115,7 @@ def test_spectral_on_a_flooded_attention_channel():
     model, tok = default_decoder()
     texts = [e.text for e in EXAMPLES[:2]]
     config = aegis.AegisConfig(
-        preset="paper", overrides={"attention": aegis.Treatment("matrix", lam=0.0, rho=0.3)}, seed=0
+        preset="verification", overrides={"attention": aegis.Treatment("matrix", lam=0.0, rho=0.3)}, seed=0
     )
     grads = shared_gradient(model, texts, tok, shield=aegis.protect(model, config=config))
     assert rouge(spectral(model, grads, tok, 2), texts)["rouge1"] >= 0.9
@@ -143,7 +144,7 @@ def test_paper_preset_every_attack_every_setting(setting):
     got = {name: [] for name in attacks}
     null = {name: [] for name in attacks}
     for seed in seeds:
-        shield = aegis.protect(model, config=aegis.AegisConfig(preset="paper", seed=seed))
+        shield = aegis.protect(model, config=aegis.AegisConfig(preset="verification", seed=seed))
         grads = shared_gradient(model, texts, tok, shield=shield, labels=labels)
         for name, attack in attacks.items():
             if name == "tag" and seed:

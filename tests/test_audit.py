@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from aegis.cli import app
+from aegis.config import RECONSTRUCTION_BATCH, Preset
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +14,7 @@ def report_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     result = CliRunner().invoke(
         app,
-        ["audit", "--quick", "--out", str(out), "--defences", "none,aegis-paper,prune-90",
+        ["audit", "--quick", "--out", str(out), "--defences", "none,aegis-verification,prune-90",
          "--attacks", "dager,embedding_norm", "--rounds", "1", "--clients", "1", "--threads", "1"],
         env={"COLUMNS": "200"},
     )
@@ -26,14 +27,14 @@ def test_report_json_schema_and_privacy(report_dir):
     assert report["complete"]
     rows = {(r["model"], r["defence"], r["attack"]): r for r in report["results"]}
     assert set(rows) == {
-        ("decoder", d, a) for d in ("none", "aegis-paper", "prune-90") for a in ("dager", "embedding_norm")
+        ("decoder", d, a) for d in ("none", "aegis-verification", "prune-90") for a in ("dager", "embedding_norm")
     }
     for row in rows.values():
         keys = {"rouge1", "rouge2", "rougeL", "token_recall", "exact_rate", "null", "null_token_recall", "leaks"}
         assert keys <= row.keys()
     assert rows["decoder", "none", "dager"]["rouge1"] >= 0.9  # undefended: the attack works
     for attack in ("dager", "embedding_norm"):
-        aegis_row = rows["decoder", "aegis-paper", attack]
+        aegis_row = rows["decoder", "aegis-verification", attack]
         assert aegis_row["rouge1"] <= max(0.05, aegis_row["null"] + 0.05)
         assert not aegis_row["leaks"]
     # prune-90 keeps the embedding rows of the input tokens: the bag of words leaks through token recall
@@ -41,12 +42,19 @@ def test_report_json_schema_and_privacy(report_dir):
     pruned = rows["decoder", "prune-90", "embedding_norm"]
     assert pruned["token_recall"] >= 0.5 and pruned["leaks"]
     verdicts = {v["defence"]: v for v in report["verdicts"]}
-    assert verdicts["aegis-paper"]["holds"] and not verdicts["prune-90"]["holds"] and not verdicts["none"]["holds"]
+    assert verdicts["aegis-verification"]["holds"]
+    assert not verdicts["prune-90"]["holds"] and not verdicts["none"]["holds"]
+    # the preset's verdict states its promise, checked at the audit's batch (2, within the promise's 1..8)
+    shield = verdicts["aegis-verification"]
+    assert shield["promise"] == Preset.VERIFICATION.promise.says and shield["promise_kept"] is True
+    assert shield["text"].startswith("stops candidate verification and reconstruction")
+    assert "promise kept at batch 2" in shield["text"]
+    assert verdicts["prune-90"]["promise"] is None and verdicts["prune-90"]["promise_kept"] is None
     assert any("embedding_norm token recall" in text for text in verdicts["prune-90"]["leaking"])
     nulls = {(n["model"], n["attack"]) for n in report["nulls"]}
     assert nulls == {("decoder", "dager"), ("decoder", "embedding_norm")}
     utility = {u["defence"]: u for u in report["utility"]}
-    assert set(utility) == {"none", "aegis-paper", "prune-90"}
+    assert set(utility) == {"none", "aegis-verification", "prune-90"}
     assert all(u["metric"] == "perplexity" and u["value"] > 1 for u in utility.values())
     assert len({u["before"] for u in utility.values()}) == 1  # one untrained reference
 
@@ -62,7 +70,9 @@ def test_plot_and_html_show_what_they_claim(report_dir):
     assert "How to read this" in page and "untrained" in page and "Null baselines" in page
     verdict_table = page.split("<h2>Verdicts")[1].split("</table>")[0]
     assert verdict_table.count("<span class='leak'>leaks</span>") == 2  # none and prune-90
-    assert verdict_table.count("<span class='holds'>holds</span>") == 1  # aegis-paper
+    assert verdict_table.count("<span class='holds'>holds</span>") == 1  # aegis-verification
+    assert verdict_table.count("<span class='holds'>promise kept</span>") == 1
+    assert html.escape(Preset.VERIFICATION.promise.says) in verdict_table
     # long bags of tokens are cut with a count, no cell holds more than 60 tokens
     assert "more tokens)" in page
     for row in page.split("<tr>")[1:]:
@@ -88,34 +98,39 @@ def test_quick_audit_meets_the_bar(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     rows = {(r["defence"], r["attack"]): r for r in report["results"]}
     defences = {d for d, _ in rows}
-    assert {"none", "aegis-paper", "aegis-utility", "aegis-paper-batch"} <= defences
+    assert {"none", "aegis-verification", "aegis-reconstruction", "aegis-paper-batch"} <= defences
     assert any(d.startswith("dp-noise") for d in defences) and any(d.startswith("dp-sgd") for d in defences)
     assert any(d.startswith("prune") for d in defences) and any(d.startswith("soteria") for d in defences)
     assert rows["none", "dager"]["rouge1"] >= 0.90
     for (defence, attack), row in rows.items():
-        if defence in ("aegis-paper", "aegis-utility") and row["metric"] == "rouge1":
+        if defence == "aegis-verification" and row["metric"] == "rouge1":
             assert row["rouge1"] <= 0.05, (defence, attack, row["rouge1"])
     # the flood-level fingerprint reads the paper's batch calibration; the public calibration's level
     # variant ties every candidate (exactly chance)
     for attack in ("fingerprint_pool", "fingerprint_secret"):
         assert rows["aegis-paper-batch", attack]["score"] >= 0.9
-        for defence in ("aegis-paper", "aegis-utility"):
+        for defence in ("aegis-verification", "aegis-reconstruction"):
             assert rows[defence, attack]["variants"]["level"] <= 1 / 40 + 0.05
         assert ("none", attack) not in rows  # n/a: no flood level to read
     from aegis.config import AegisConfig
 
-    for defence, preset in (("aegis-paper", "paper"), ("aegis-utility", "utility")):
+    for defence, preset in (("aegis-verification", "verification"), ("aegis-reconstruction", "reconstruction")):
         secret = rows[defence, "fingerprint_secret"]
         budget = AegisConfig(preset=preset).exposures  # the preset's promise, read, not hard-coded
         assert secret["exposures"] == budget and secret["refused_after"] == budget, secret
     verdicts = {v["defence"]: v for v in report["verdicts"]}
-    assert not verdicts["aegis-paper-batch"]["holds"]
+    assert not verdicts["aegis-paper-batch"]["holds"] and verdicts["aegis-paper-batch"]["promise"] is None
+    assert verdicts["aegis-verification"]["promise_kept"] is True
+    # the quick audit's batch 2 is below the batch the reconstruction promise is stated for: said, not checked
+    rebuilt = verdicts["aegis-reconstruction"]
+    assert rebuilt["promise_kept"] is None and f"below the batch {RECONSTRUCTION_BATCH}" in rebuilt["promise_note"]
+    assert rebuilt["text"].startswith("stops reconstruction; a server with candidate texts can verify them")
     ppl = {u["defence"]: u["value"] for u in report["utility"]}
     untrained = {u["defence"]: u["before"] for u in report["utility"]}
     assert ppl["none"] < 0.5 * untrained["none"], ppl  # the undefended run learns in two rounds
-    # The presets cap each row's signal at a few hundredths of its noise (docs/design.md §1.4): two clients
-    # over two rounds leave the model at its untrained perplexity (README); the flood must not push it beyond.
-    for defence in ("aegis-paper", "aegis-utility"):
+    # The presets must not push the model beyond its untrained perplexity (verification caps each row's signal at
+    # a few hundredths of its noise, docs/design.md §1.4: two clients over two rounds leave the model there).
+    for defence in ("aegis-verification", "aegis-reconstruction"):
         assert ppl[defence] <= 1.05 * untrained[defence], (defence, ppl, untrained)
     assert all(len(line) <= 80 for line in result.stdout.splitlines())
     print(f"quick audit: {elapsed:.0f} s; perplexity {ppl}")

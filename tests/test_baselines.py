@@ -251,7 +251,7 @@ def test_dpsgd_names_the_parameter_opacus_cannot_handle():
 # -- AEGIS through the interface, names, and the common step --------------------------------------
 def test_aegis_defence_exports_the_masked_non_attention_gradient():
     model = tiny_gpt2()
-    defence = Aegis(AegisConfig(preset="paper")).attach(model)
+    defence = Aegis(AegisConfig(preset="verification")).attach(model)
     for p in model.parameters():
         p.grad = None
     defence.backward(lm_batch())
@@ -268,8 +268,8 @@ def test_aegis_defence_exports_the_masked_non_attention_gradient():
     "spec,kind,attrs",
     [
         ("none", NoDefence, {}),
-        ("aegis", Aegis, {"name": "aegis-paper"}),
-        ("aegis-utility", Aegis, {"name": "aegis-utility"}),
+        ("aegis", Aegis, {"name": "aegis-verification"}),
+        ("aegis-reconstruction", Aegis, {"name": "aegis-reconstruction"}),
         ("dp-noise-0.001", GaussianNoise, {"sigma": 1e-3, "name": "dp-noise-0.001"}),
         ("dp-noise-1e-2", GaussianNoise, {"sigma": 1e-2}),
         ("prune-99", Pruning, {"fraction": 0.99, "name": "prune-99"}),

@@ -86,7 +86,8 @@ def test_two_clients_never_share_noise():
     grads = []
     for _ in range(2):
         model = build("gpt2")
-        config = aegis.AegisConfig(preset="verification", exposure_state=aegis.exposure.IN_MEMORY)  # two clients, one batch
+        # two clients, one batch
+        config = aegis.AegisConfig(preset="verification", exposure_state=aegis.exposure.IN_MEMORY)
         shield = aegis.protect(model, config=config)
         grads.append(_masked(model, shield, seed=1)["transformer.wte.weight"])
     diff = grads[0] - grads[1]

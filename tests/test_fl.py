@@ -540,7 +540,7 @@ def test_product_path_never_imports_the_comparators():
         "torch.manual_seed(0)\n"
         "ids = torch.randint(0, 50, (2, 5))\n"
         "batch = {'input_ids': ids, 'labels': ids}\n"
-        "run = run_rounds(transformers.GPT2LMHeadModel(cfg), [[batch], [batch]], rounds=1, defence='aegis-verification')\n"
+        "run = run_rounds(transformers.GPT2LMHeadModel(cfg), [[batch], [batch]], rounds=1, defence='aegis')\n"
         "assert len(run.captured[0]) == 2\n"
         "print('aegis.baselines' in sys.modules)\n"
     )

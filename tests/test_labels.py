@@ -230,7 +230,7 @@ WEAK_HEAD = aegis.Treatment("matrix", lam=1.0, rho=0.3)
 
 def weak_head_shield(model, monkeypatch):
     monkeypatch.setenv("AEGIS_ALLOW_FIXED_KEY", "1")
-    return aegis.protect(model, config=aegis.AegisConfig(preset="paper", seed=0, overrides={"head": WEAK_HEAD}))
+    return aegis.protect(model, config=aegis.AegisConfig(preset="verification", seed=0, overrides={"head": WEAK_HEAD}))
 
 
 @pytest.mark.filterwarnings("ignore:AegisConfig\\(seed")
@@ -286,7 +286,7 @@ def preset_accuracy(encoder, preset: str, size: int, silent: bool) -> float:
 # Every export masks the whole model here (the product path), hence slow; the default selection checks the presets
 # on the head-only exports of the audit's label row (tests/test_labels_audit.py), equal to these for the head.
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["paper", "utility"])
+@pytest.mark.parametrize("preset", ["verification", "reconstruction"])
 @pytest.mark.parametrize("size", [1, 2, 8])
 def test_presets_keep_the_label_attack_at_chance(encoder, fast_noise, preset, size):
     attacked = preset_accuracy(encoder, preset, size, silent=False)

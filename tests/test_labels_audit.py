@@ -138,7 +138,7 @@ def test_head_only_exports_are_the_real_head_gradients(ctx):
     for name in exported:
         torch.testing.assert_close(exported[name], full[name], atol=1e-6, rtol=1e-4)
         torch.testing.assert_close(clean[name], full[name], atol=1e-6, rtol=1e-4)
-    for preset in ("paper", "utility"):
+    for preset in ("verification", "reconstruction"):
         whole = aegis.protect(copy.deepcopy(ctx.model), config=aegis.AegisConfig(preset=preset)).public_params()
         head_only = aegis.protect(head_client(ctx.model), config=aegis.AegisConfig(preset=preset)).public_params()
         assert set(head_only) <= {"classifier.weight", "classifier.bias"}
@@ -155,13 +155,14 @@ def test_undefended_and_weak_head_flood_leak(ctx):
     none = run(ctx, resolve_defence("none"), {1: 48, 2: 24, 8: 6})
     assert none.leaks and none.score == 1.0 and min(none.variants.values()) == 1.0
     assert none.p_value <= 3 * (1 / 10000) + 1e-9
-    weak = aegis.AegisConfig(preset="paper", seed=3, overrides={"head": aegis.Treatment("rows", lam=1.0, rho=0.3)})
+    weak_head = {"head": aegis.Treatment("rows", lam=1.0, rho=0.3)}
+    weak = aegis.AegisConfig(preset="verification", seed=3, overrides=weak_head)
     row = run(ctx, DefenceSpec("aegis-weak-head", weak), {1: 48, 2: 24, 8: 6})
     assert row.leaks and row.variants["B=1"] >= row.null + 0.2 and row.p_value < ALPHA
 
 
 @pytest.mark.filterwarnings("ignore:AegisConfig\\(seed")
-@pytest.mark.parametrize("preset", ["paper", "utility"])
+@pytest.mark.parametrize("preset", ["verification", "reconstruction"])
 def test_presets_hold_at_b_1(ctx, preset):
     """The row at B = 1 alone (160 exports): no leak (a false failure has probability < ALPHA at chance)."""
     from aegis.audit.options import DefenceSpec
@@ -172,7 +173,7 @@ def test_presets_hold_at_b_1(ctx, preset):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:AegisConfig\\(seed")
-@pytest.mark.parametrize("preset", ["paper", "utility"])
+@pytest.mark.parametrize("preset", ["verification", "reconstruction"])
 def test_presets_hold_at_b_1_2_8(ctx, preset):
     """The audit's full label row (320 / 160 / 40 exports at B = 1 / 2 / 8): no variant exceeds its chance level
     by more than 0.05, so the row is neither a leak nor suspect."""

@@ -149,7 +149,7 @@ def test_audit_row_says_when_there_is_nothing_to_read(audit_decoder):
     attack = make("loss_oracle")
     null = attack.null(ctx, None)
     found = targets(ctx, examples, lambda m, b: {"num-examples": 1})
-    record, _ = attack.run(ctx, resolve_defence("aegis-paper"), found, [ctx.model], null, lambda cost: None)
+    record, _ = attack.run(ctx, resolve_defence("aegis-verification"), found, [ctx.model], null, lambda cost: None)
     assert not record.applicable and record.gradients == 0
     assert record.note.startswith("nothing to read") and "num-examples" in record.note
     assert record.score == record.null and not record.above_bar and not record.leaks and not record.suspect

@@ -152,12 +152,13 @@ def test_shared_gradient_restores_mode_and_needs_labels_for_encoders():
 
 def test_shared_gradient_with_shield_is_the_export():
     model, tok = default_decoder(arch="gpt2", n_layer=1)
-    shield = aegis.protect(model, config=aegis.AegisConfig(preset="paper", seed=3))
+    shield = aegis.protect(model, config=aegis.AegisConfig(preset="verification", seed=3))
     grads = shared_gradient(model, TEXTS, tok, shield=shield)
     assert not any(".attn." in n for n in grads)  # frozen attention is never exported
     assert set(grads) == {n for n, p in model.named_parameters() if p.requires_grad}
     # Reproduce by hand: same seed and step -> the identical flood.
-    again = aegis.protect(default_decoder(arch="gpt2", n_layer=1)[0], config=aegis.AegisConfig(preset="paper", seed=3))
+    config = aegis.AegisConfig(preset="verification", seed=3)
+    again = aegis.protect(default_decoder(arch="gpt2", n_layer=1)[0], config=config)
     again.model.zero_grad()
     enc = tok(TEXTS, padding=True, return_tensors="pt")
     labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
@@ -171,7 +172,7 @@ def test_the_shield_counts_exposures_on_the_default_decoder(decoder):
     """The exposure tracker hooks the input embedding (BERT's word_embeddings): the paper preset exports
     one example 4 times, then refuses."""
     model, tok = decoder
-    shield = aegis.protect(copy.deepcopy(model), config=aegis.AegisConfig(preset="paper", seed=5))
+    shield = aegis.protect(copy.deepcopy(model), config=aegis.AegisConfig(preset="verification", seed=5))
     for _ in range(4):
         shared_gradient(shield.model, ["my pin is 4471"], tok, shield=shield)
     with pytest.raises(RuntimeError, match="already exported 4 time"):

@@ -18,5 +18,5 @@ def test_quick_overhead_run_reports_every_defence(tmp_path):
     assert all("error" not in r for r in rows), rows
     by_name = {r["defence"]: r for r in rows}
     # AEGIS shares no attention gradient: its payload is the non-attention share of the model.
-    assert by_name["aegis-paper"]["payload_ratio"] < 1.0
+    assert by_name["aegis-verification"]["payload_ratio"] < 1.0
     assert all(r["median_s"] > 0 for r in rows)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import aegis
-from aegis.config import PAPER, ROLES, AegisConfig
+from aegis.config import RECONSTRUCTION_SNR, ROLES, VERIFICATION, AegisConfig
 from aegis.models import default_decoder
 from aegis.policy import LORA_EMBEDDING_ROLE, plan, rows_view
 from families import POLICY_FAMILIES, VOCAB, build
@@ -47,7 +47,9 @@ EXPECTED = {
     },
 }
 # Enough roles for the LoRA-embedding role until config.ROLES / the presets carry it.
-_WITH_LORA_ROLE = AegisConfig(preset={**PAPER, LORA_EMBEDDING_ROLE: PAPER["token_embedding"]}, strict=True)
+_WITH_LORA_ROLE = AegisConfig(
+    preset={**VERIFICATION, LORA_EMBEDDING_ROLE: VERIFICATION["token_embedding"]}, strict=True
+)
 
 
 @pytest.mark.parametrize("family", sorted(POLICY_FAMILIES))
@@ -74,7 +76,7 @@ def test_no_trainable_parameter_of_a_covered_family_is_other(family):
 
 def test_the_default_decoder_roles_and_what_each_preset_trains():
     model, _ = default_decoder()
-    plans = {p.name: p for p in plan(model, AegisConfig(preset="paper"))}
+    plans = {p.name: p for p in plan(model, AegisConfig(preset="verification"))}
     roles = {n: p.role for n, p in plans.items()}
     rows = {
         "bert.embeddings.word_embeddings.weight": "token_embedding",
@@ -84,7 +86,7 @@ def test_the_default_decoder_roles_and_what_each_preset_trains():
     }
     for name, role in rows.items():
         assert roles[name] == role and plans[name].rows_axis == 0, name
-        assert plans[name].treatment == PAPER[role] and plans[name].treatment.kind == "rows"
+        assert plans[name].treatment == VERIFICATION[role] and plans[name].treatment.kind == "rows"
     for name, role in roles.items():
         if name in rows:
             continue
@@ -100,10 +102,14 @@ def test_the_default_decoder_roles_and_what_each_preset_trains():
             expected = "mlp" if leaf == "weight" else "bias"
         assert role == expected, name
     assert sum(r == "attention" for r in roles.values()) == 6 * 8
-    # utility: the rows floods train, everything else is frozen (the head has no transform to freeze)
-    utility = aegis.protect(model, config=AegisConfig(preset="utility"))
-    flooded = {r.name: r.role for r in utility.report().rows if r.action == "rows flood"}
-    assert flooded == rows
+    # reconstruction: every vocabulary- or position-indexed table is frozen (no rows flood: the bag of words stays
+    # in), the MLP, norms and biases are matrix floods at its snr
+    trains = {r.name: r for r in aegis.protect(model, config=AegisConfig(preset="reconstruction")).report().rows}
+    assert all(trains[name].action == "frozen" for name in rows)
+    assert not [r for r in trains.values() if r.action == "rows flood"]
+    matrix = {r.role for r in trains.values() if r.action == "matrix flood"}
+    assert matrix == {"mlp", "norm", "bias"}
+    assert {r.snr_cap for r in trains.values() if r.action == "matrix flood"} == {RECONSTRUCTION_SNR}
 
 
 def test_a_vocabulary_bias_carries_the_bag_of_next_tokens_and_is_flooded_along_it():
@@ -136,7 +142,7 @@ def test_lora_on_the_embedding_floods_along_the_token_axis(family, target):
     assert a.role == b.role == LORA_EMBEDDING_ROLE
     assert a.param.shape == (4, VOCAB) and a.rows_axis == 1  # (r x V): columns are per token
     assert b.rows_axis is None  # (d x r): dense factor, matrix flood at the embedding's strength
-    assert a.treatment == b.treatment == PAPER["token_embedding"]
+    assert a.treatment == b.treatment == VERIFICATION["token_embedding"]
     # The leak rows_axis answers: A's gradient is non-zero exactly in the input tokens' columns.
     ids = torch.tensor([[5, 17, 17, 40, 63, 9, 88]])
     if "ForSequenceClassification" in type(model.base_model.model).__name__:
@@ -176,8 +182,9 @@ def test_dora_magnitudes_are_norms_and_attention_adapters_stay_attention():
 
 def test_the_new_role_without_a_treatment_names_the_fix():
     model = _lora("llama", ["embed_tokens"])
+    without = {k: v for k, v in VERIFICATION.items() if k != LORA_EMBEDDING_ROLE}
     with pytest.raises(ValueError, match=LORA_EMBEDDING_ROLE):
-        plan(model, AegisConfig(preset={k: v for k, v in PAPER.items() if k != LORA_EMBEDDING_ROLE}, strict=True))
+        plan(model, AegisConfig(preset=without, strict=True))
 
 
 def _with_mystery():

@@ -21,7 +21,7 @@ SHORT = [EXAMPLES[35].text]  # "Patient is allergic to codeine."
 
 def mlp_flooded(lam, rho, seed=0, **kw):
     return aegis.AegisConfig(
-        preset="paper", overrides={"mlp": aegis.Treatment("matrix", lam=lam, rho=rho)}, seed=seed, **kw
+        preset="verification", overrides={"mlp": aegis.Treatment("matrix", lam=lam, rho=rho)}, seed=seed, **kw
     )
 
 
@@ -65,7 +65,7 @@ def test_weak_mlp_flood(small, fast_noise):  # noqa: F811
 
 def test_paper_preset_is_at_the_null_level(small, fast_noise):  # noqa: F811
     model, tok = small
-    shield = aegis.protect(model, config=aegis.AegisConfig(preset="paper", seed=0))
+    shield = aegis.protect(model, config=aegis.AegisConfig(preset="verification", seed=0))
     grads = shared_gradient(model, SHORT, tok, shield=shield)
     public = shield.public_params()
     got = rouge(spectral(model, grads, tok, 1, public=public), SHORT)["rouge1"]
@@ -73,12 +73,19 @@ def test_paper_preset_is_at_the_null_level(small, fast_noise):  # noqa: F811
     assert got <= max(0.05, null + 0.05)
 
 
-def test_utility_preset_gives_nothing(small):
+def test_reconstruction_preset_is_read_below_its_stated_batch(small, fast_noise):  # noqa: F811
+    """One short sentence is below the batch the reconstruction promise is stated for: its MLP floods (snr
+    RECONSTRUCTION_SNR per tensor) carry the sentence's span, and the attack reads it. This is why the promise
+    starts at RECONSTRUCTION_BATCH sequences per export."""
+    from aegis.config import RECONSTRUCTION_BATCH, Preset
+
     model, tok = small
-    shield = aegis.protect(model, config=aegis.AegisConfig(preset="utility", seed=0))
+    config = aegis.AegisConfig(preset=Preset.RECONSTRUCTION, seed=0)
+    assert config.promise.outside(len(SHORT)) and len(SHORT) < RECONSTRUCTION_BATCH
+    shield = aegis.protect(model, config=config)
     grads = shared_gradient(model, SHORT, tok, shield=shield)
-    assert not any(n.startswith(tuple(f"{m}." for _, m in mlp_weights(model))) for n in grads)
-    assert spectral(model, grads, tok, 1, public=shield.public_params()) == []
+    assert any(n.startswith(tuple(f"{m}." for _, m in mlp_weights(model))) for n in grads)  # the MLP is exported
+    assert rouge(spectral(model, grads, tok, 1, public=shield.public_params()), SHORT)["rouge1"] >= 0.9
 
 
 # -- slow -------------------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def test_tag_fails_against_aegis(tok):
         model = _tiny_gpt2(tok)
         null = null_gradient(shared_gradient(model, [text], tok))
         nulls.append(_rouge(tag(model, null, tok, 1, steps=300, seed=0, seq_len=L)[0], text)[0])
-        shield = aegis.protect(model, config=aegis.AegisConfig(preset="paper"))
+        shield = aegis.protect(model, config=aegis.AegisConfig(preset="verification"))
         grads = shared_gradient(model, [text], tok, shield=shield)
         assert not any(".attn." in k for k in grads)
         r1s.append(_rouge(tag(model, grads, tok, 1, steps=300, seed=0, seq_len=L)[0], text)[0])

@@ -15,7 +15,7 @@ import transformers as T
 
 from aegis.audit.options import UsageError
 from aegis.audit.runner import batch_builder
-from aegis.config import AegisConfig
+from aegis.config import AegisConfig, Preset
 from aegis.data import LABELS, Example, load_corpus
 from aegis.defence import Aegis
 from aegis.exposure import IN_MEMORY, ExposurePolicy
@@ -123,6 +123,10 @@ def test_the_shield_counts_the_steps_it_silences(tok, fast_noise):
 # -- runs -------------------------------------------------------------------------------------------------------
 
 
+# The preset that trains, at an exposure budget of one export per example (set here, not read from the promise).
+BUDGET_ONE = AegisConfig(preset=Preset.RECONSTRUCTION, exposure_budget=1)
+
+
 @pytest.fixture(scope="module")
 def tiny_setup(tok):
     train = load_corpus("train")[:48]
@@ -147,12 +151,12 @@ def test_undefended_run_learns_and_keeps_the_promised_points(tiny_setup, algorit
     assert log.steps == 2 * 4 * steps and log.silenced_steps == 0
 
 
-def test_aegis_utility_silences_every_export_after_one_epoch(tiny_setup, fast_noise):
+def test_budget_one_silences_every_export_after_one_epoch(tiny_setup, fast_noise):
     """Budget 1: each client's second pass over its data is silenced, and the run reports it exactly."""
     model, build, _, evaluate = tiny_setup
     shards = dirichlet_split(load_corpus("train")[:24], 2, 1.0, seed=0, min_size=4)
     config = UtilityConfig(clients=2, rounds=5, batch_size=4, eval_every=5, lr=1e-2, attack_clients=0)
-    log = federate(model, "aegis-reconstruction", shards, build, evaluate, Algorithm.FEDSGD, config, torch.device("cpu"))
+    log = federate(model, BUDGET_ONE, shards, build, evaluate, Algorithm.FEDSGD, config, torch.device("cpu"))
     epochs = [len(s) // 4 for s in shards]
     expected = sum(max(0, 5 - e) for e in epochs)
     assert expected > 0
@@ -180,9 +184,9 @@ def test_exposure_off_exports_every_batch_and_silence_does_not(tiny_setup, zero_
     shards = dirichlet_split(load_corpus("train")[:24], 2, 1.0, seed=0, min_size=4)
     config = UtilityConfig(clients=2, rounds=5, batch_size=4, eval_every=5, lr=1e-2, attack_clients=2,
                            exposure=exposure)
-    log = federate(model, "aegis-reconstruction", shards, build, evaluate, Algorithm.FEDSGD, config, torch.device("cpu"))
+    log = federate(model, BUDGET_ONE, shards, build, evaluate, Algorithm.FEDSGD, config, torch.device("cpu"))
     epochs = [len(s) // 4 for s in shards]
-    carried = {(c.round, c.client): bool(c.grads["transformer.wte.weight"].any()) for c in log.captures}
+    carried = {(c.round, c.client): bool(c.grads["transformer.h.0.mlp.c_fc.weight"].any()) for c in log.captures}
     fresh = {(r, c): r <= epochs[c] for r, c in carried}  # budget 1: a client's first epoch is fresh
     assert not all(fresh.values())  # some attacked export repeats its examples
     if exposure is ExposurePolicy.OFF:

@@ -6,7 +6,6 @@ import pytest
 from scipy.stats import binom
 
 import benchmark_scripts
-from aegis.config import PRESET_EXPOSURES
 from aegis.data import load_corpus
 
 
@@ -30,9 +29,11 @@ def test_candidate_sets_of_any_size(bench):
 
 def test_settings_cover_presets_budgets_and_leaky_controls(bench):
     chosen = bench.settings()
-    for preset, budget in PRESET_EXPOSURES.items():
-        assert chosen[f"{preset} K=1"][1] == 1
-        assert chosen[f"past budget: {preset} K={16 * budget}"][1] == 16 * budget
+    assert {p.value for p in bench.PRESETS} == {"verification", "reconstruction"}  # ``paper`` promises nothing
+    for preset in bench.PRESETS:
+        budget = preset.promise.exposures
+        assert chosen[f"{preset.value} K=1"][1] == 1 and chosen[f"{preset.value} K=1"][0].preset is preset
+        assert chosen[f"past budget: {preset.value} K={16 * budget}"][1] == 16 * budget
     bare = chosen["no noise: rho 1 lam 0"][0].treatments["token_embedding"]
     assert (bare.lam, bare.rho, bare.clip) == (0.0, 1.0, math.inf)
 

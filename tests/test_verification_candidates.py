@@ -117,8 +117,9 @@ def test_paper_preset_stays_at_chance(gpt2, fast_noise):
     """4 trials of 1-of-40: a chance-level attacker scores >= 2 hits with P = 0.4 %; the level variant
     ties every candidate (exactly 1/40)."""
     model, tok = gpt2
-    results = _picks(model, tok, AegisConfig(preset="paper", seed=14), secret_candidates("my pin is {}", PINS[:40]),
-                     [2, 13, 24, 35], ("level", "energy", "likelihood"))
+    config = AegisConfig(preset="verification", seed=14)
+    results = _picks(model, tok, config, secret_candidates("my pin is {}", PINS[:40]), [2, 13, 24, 35],
+                     ("level", "energy", "likelihood"))
     assert results["level"].accuracy == pytest.approx(1 / 40)
     for v in ("energy", "likelihood"):
         assert results[v].accuracy * 4 <= 1 + 1e-9, (v, results[v].ranks)

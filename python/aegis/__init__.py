@@ -1,6 +1,6 @@
 """AEGIS: Attention-Embedding Gradient Isolation Shield for federated fine-tuning of language models."""
 from . import calibration
-from .config import PRESETS, ROLES, AegisConfig, Calibration, Treatment
+from .config import PRESETS, ROLES, AegisConfig, Calibration, Preset, Promise, Threat, Treatment
 from .exposure import ExposurePolicy
 from .shield import CoverageReport, Shield, protect
 
@@ -8,6 +8,9 @@ __all__ = [
     "AegisConfig",
     "Calibration",
     "Treatment",
+    "Preset",
+    "Promise",
+    "Threat",
     "ExposurePolicy",
     "PRESETS",
     "ROLES",

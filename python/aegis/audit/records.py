@@ -9,8 +9,11 @@ before any defence ran) -> :class:`Verdict` per model x defence. ``AuditReport.t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from ..config import Promise, Threat
 
 # An attack "leaks" when its score exceeds its null baseline by more than MARGIN (and the floor): the
 # paper's 0.05 bar for ROUGE-1, and "chance + 0.05" for the 1-of-N and label attacks (issues 13, 14).
@@ -21,6 +24,19 @@ FLOOR = 0.05
 # bar without that evidence it is "suspect" (rerun with more trials). The label attack is held to the same
 # rule with a permutation p-value against its own guesses' chance level (Bonferroni over batch sizes).
 ALPHA = 0.01
+
+# The threat each attack measures: a preset's promise is broken by a leak of an attack on a threat it stops.
+THREATS = {
+    "dager": Threat.RECONSTRUCTION,
+    "embedding_norm": Threat.RECONSTRUCTION,
+    "mlp_span": Threat.RECONSTRUCTION,
+    "spectral": Threat.RECONSTRUCTION,
+    "tag": Threat.RECONSTRUCTION,
+    "labels": Threat.RECONSTRUCTION,
+    "fingerprint_pool": Threat.VERIFICATION,
+    "fingerprint_secret": Threat.VERIFICATION,
+    "loss_oracle": Threat.VERIFICATION,
+}
 
 
 def rank_sum_p(ranks: list[float], n: int) -> float:
@@ -183,6 +199,12 @@ class Verdict:
     exposures: int = 1  # K: the most exports of one batch any attack read together
     refused_after: int | None = None  # the shield refused export K + 1 of one batch
     suspect: list[str] = field(default_factory=list)  # above the bar without the evidence to call it a leak
+    promise: str | None = None  # AEGIS presets: what the preset promises, in words (Promise.says)
+    # the promise checked against the leaks: True kept, False broken, None not checked (see promise_note)
+    promise_kept: bool | None = None
+    promise_note: str = ""  # why the promise was not checked (the run lies outside what it is stated for)
+    breaking: list[str] = field(default_factory=list)  # the leaks of threats the promise says it stops
+    batch_size: int | None = None  # sequences per export in the run the verdict read
 
     def scope(self) -> str:
         """At what K the verdict was reached."""
@@ -192,15 +214,50 @@ class Verdict:
         return f"K ≤ {self.exposures} export{'s' if self.exposures > 1 else ''} of one batch{refused}"
 
     def text(self) -> str:
+        return self.render()
+
+    def render(self, mark: Callable[[str, str], str] = lambda kind, s: s, esc: Callable[[str], str] = str) -> str:
+        """The verdict in words: the promise and whether it was kept, then what held and what leaked.
+        ``mark(kind, text)`` styles a word of kind "holds", "leak" or "suspect"; ``esc`` escapes the rest."""
+        out = ""
+        if self.promise is not None:
+            out = esc(self.promise) + " — "
+            if self.promise_kept is True:
+                out += mark("holds", "promise kept") + esc(f" at batch {self.batch_size}" if self.batch_size else "")
+            elif self.promise_kept is False:
+                out += mark("leak", "promise broken") + esc(" by " + "; ".join(self.breaking))
+            elif self.promise_note:
+                out += esc(f"promise not checked ({self.promise_note})")
+            else:
+                out += esc("promises nothing")
+            out += esc(". ")
         if self.holds:
-            extra = f"; suspect: {'; '.join(self.suspect)}" if self.suspect else ""
-            return f"holds ({self.scope()}){extra}"
-        return "leaks: " + "; ".join(self.leaking)
+            out += mark("holds", "holds") + esc(f" ({self.scope()})")
+            if self.suspect:
+                out += esc("; ") + mark("suspect", "suspect") + esc(": " + "; ".join(self.suspect))
+            return out
+        allowed = self.promise_kept is True
+        return out + mark("leak", "leaks") + esc(": " + "; ".join(self.leaking) + (", as stated" if allowed else ""))
 
 
-def verdicts(results: list[AttackRecord], model: str, defence: str, calibration: str | None = None) -> Verdict:
+def verdicts(
+    results: list[AttackRecord],
+    model: str,
+    defence: str,
+    calibration: str | None = None,
+    promise: Promise | None = None,
+    batch_size: int | None = None,
+) -> Verdict:
+    """The verdict of one defence on one model; with ``promise`` (an AEGIS preset's), checked against it:
+    broken when an attack on a threat it stops leaks, at a batch size it is stated for."""
     rows = [r for r in results if r.model == model and r.defence == defence]
     leaking = sorted((r for r in rows if r.leaks), key=lambda r: -r.excess)
+    kept, note, breaking = None, "", []
+    if promise is not None and promise.stops:
+        note = (promise.outside(batch_size) if batch_size is not None else None) or ""
+        if not note:
+            breaking = [r.headline() for r in leaking if THREATS.get(r.attack) in promise.stops]
+            kept = not breaking
     text = [r.privacy for r in rows if r.metric == "rouge1"]
     k = max((r.exposures for r in rows), default=1)
     refused = [r.refused_after for r in rows if r.exposures == k and r.refused_after is not None]
@@ -215,6 +272,11 @@ def verdicts(results: list[AttackRecord], model: str, defence: str, calibration:
         k,
         refused[0] if refused else None,
         suspect,
+        None if promise is None else promise.says,
+        kept,
+        note,
+        breaking,
+        batch_size,
     )
 
 

@@ -377,7 +377,10 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
         "that holds nothing of the batch: a Gaussian gradient of matched norms for the reconstruction attacks, "
         "1/N for the 1-of-N attacks, and for the label attack the chance level of its own guesses, scored against "
         "batches they were not made from); otherwise it <span class='leak'>leaks</span>, and the verdict names "
-        "the attack. The 1-of-N and label attacks leak only when the excess is also unlikely by chance (rank-sum "
+        "the attack. Each AEGIS preset states what it stops (reconstruction: the text, its words or its labels; "
+        "candidate verification: which of some candidate texts a client trained on); its verdict says that "
+        "promise, and the promise is <i>broken</i> when an attack on a threat it stops leaks at a batch size it is "
+        "stated for. The 1-of-N and label attacks leak only when the excess is also unlikely by chance (rank-sum "
         "or permutation p &lt; 0.01, Bonferroni over their variants); otherwise they are "
         "<span class='suspect'>suspect</span> (rerun with more trials). Reconstruction attacks count on their "
         "worst axis: ROUGE-1 (word order) or token recall (the bag of words). Utility is the global model after "
@@ -400,13 +403,7 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
     for v in report.verdicts:
         u = report.utility_of(v.model, v.defence)
         none = report.utility_of(v.model, "none")
-        verdict = (
-            f"<span class='holds'>holds</span> ({_e(v.scope())})"
-            if v.holds
-            else "<span class='leak'>leaks</span>: " + _e("; ".join(v.leaking))
-        )
-        if v.holds and v.suspect:
-            verdict += "; <span class='suspect'>suspect</span>: " + _e("; ".join(v.suspect))
+        verdict = v.render(lambda kind, text: f"<span class='{kind}'>{_e(text)}</span>", _e)
         if v.calibration == "batch":
             verdict += " <i>(batch calibration)</i>"
         eps = "–" if u is None or u.epsilon is None else f"{u.epsilon:.2f} (δ {u.delta:g})"

@@ -303,7 +303,9 @@ def run_audit(
                 record, recon = attack.run(ctx, spec, fed.targets, fed.models, nulls[attack.name], tick)
                 report.results.append(record)
                 report.reconstructions += recon
-            report.verdicts.append(verdicts(report.results, kind, spec.name, spec.calibration))
+            report.verdicts.append(
+                verdicts(report.results, kind, spec.name, spec.calibration, spec.promise, config.batch_size)
+            )
             report.meta["seconds"] = round(time.time() - started, 1)
             sink(report)
             del fed

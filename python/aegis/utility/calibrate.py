@@ -1,9 +1,12 @@
-"""``aegis calibrate``: search per-role treatments for a model and data and show the privacy-utility frontier.
+"""``aegis calibrate``: recommend a preset for a threat and batch from the presets' promises, or search
+per-role treatments for a model and data and show the privacy-utility frontier.
 
-A candidate sets the SNR cap of every rows flood (token and position embeddings, LM head, classifier head:
-``Treatment.snr``, the signal one row exports over the per-entry noise) and what the MLP weights get:
-frozen, or a matrix flood (lam 8, rho 1) capped at an SNR. Norms, biases and attention stay frozen (the
-``utility`` preset's structure). Each candidate is measured twice:
+:func:`recommend` reads each :class:`~aegis.config.Preset`'s promise (what it stops, at which batch sizes and
+exposure budget, whether it trains) and picks the one that stops the user's threat where it is stated to,
+training if one can. The search (``--search``): a candidate sets the SNR cap of every rows flood (token and
+position embeddings, LM head, classifier head: ``Treatment.snr``, the signal one row exports over the
+per-entry noise) and what the MLP weights get: frozen, or a matrix flood (lam 8, rho 1) capped at an SNR.
+Norms, biases and attention stay frozen. Each candidate is measured twice:
 
 * utility: a short federated run of the harness (FedSGD), final validation metric against the undefended
   run of the same rounds;
@@ -27,7 +30,7 @@ from ..audit import attacks as audit_attacks
 from ..audit.options import AuditConfig, DefenceSpec, UsageError
 from ..audit.records import MARGIN, NullBaseline
 from ..audit.runner import batch_builder
-from ..config import FROZEN, UTILITY, AegisConfig, Treatment
+from ..config import FROZEN, PROMISES, VERIFICATION, AegisConfig, Preset, Threat, Treatment
 from ..data import LABELS, load_corpus
 from .config import Algorithm, UtilityConfig
 from .evaluate import evaluator, metric_of
@@ -36,6 +39,55 @@ from .harness import load
 from .split import dirichlet_split
 
 ROWS_ROLES = ("token_embedding", "token_embedding_lora", "position_embedding", "lm_head", "head")
+# The search's fixed structure: attention, norms, biases (and unknown roles) frozen; rows roles and the MLP vary.
+SEARCH_BASE = {**VERIFICATION, **dict.fromkeys(("attention", "norm", "bias", "other"), FROZEN)}
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The preset for a threat at a batch size and exposure count (None: no preset's promise covers it)."""
+
+    threat: Threat
+    batch_size: int
+    exposures: int
+    preset: Preset | None
+    why: list[str]  # sentences: what the preset promises and costs, and what the others would not do
+
+    def text(self) -> str:
+        head = f"use preset {self.preset.value}" if self.preset else "no preset's promise covers this"
+        return f"{self.threat.words} at batch {self.batch_size}, {self.exposures} export(s) per example: {head}"
+
+
+def recommend(threat: Threat | str, batch_size: int, exposures: int = 1) -> Recommendation:
+    """The preset whose promise stops ``threat`` at ``batch_size`` over ``exposures`` exports per example,
+    one that trains before one that does not; the paper's formulas promise nothing and are never picked."""
+    try:
+        threat = Threat(threat)
+    except ValueError:
+        raise UsageError("--threat", f"unknown {threat!r}; choose from "
+                         f"{', '.join(t.value for t in Threat)}") from None
+    for option, value in (("--batch-size", batch_size), ("--exposures", exposures)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(option, f"{value!r}: use a whole number of at least 1")
+    fits, misses = [], {}
+    for preset, promise in PROMISES.items():
+        if threat not in promise.stops:
+            continue
+        outside = promise.outside(batch_size)
+        if outside is None and exposures > promise.exposures:
+            outside = f"it covers {promise.exposures} export(s) per example, not {exposures}"
+        if outside is None:
+            fits.append(preset)
+        else:
+            misses[preset] = f"{preset.value} would stop it, but {outside}."
+    fits.sort(key=lambda p: not PROMISES[p].trains)  # a preset that trains first (the sort is stable)
+    if not fits:
+        return Recommendation(threat, batch_size, exposures, None, list(misses.values()))
+    chosen = PROMISES[fits[0]]
+    why = [f"{fits[0].value}: {chosen.says}.", f"Cost: {chosen.cost}."]
+    if not chosen.trains:  # say what a preset that trains would need
+        why += [line for preset, line in misses.items() if PROMISES[preset].trains]
+    return Recommendation(threat, batch_size, exposures, fits[0], why)
 
 
 class MlpMode(str, enum.Enum):
@@ -57,7 +109,7 @@ class Candidate:
     def config(self, exposures: int) -> AegisConfig:
         rows = Treatment("rows", lam=1.0, rho=0.3, snr=self.rows_snr)
         mlp = FROZEN if self.mlp is MlpMode.FROZEN else Treatment("matrix", lam=8.0, rho=1.0, snr=self.mlp_snr)
-        return AegisConfig(preset={**UTILITY, **dict.fromkeys(ROWS_ROLES, rows), "mlp": mlp},
+        return AegisConfig(preset={**SEARCH_BASE, **dict.fromkeys(ROWS_ROLES, rows), "mlp": mlp},
                            exposure_budget=exposures)
 
 

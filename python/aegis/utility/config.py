@@ -26,7 +26,8 @@ from ..exposure import ExposurePolicy
 
 MODELS = ("decoder", "encoder")
 ATTACKS = ("dager", "embedding_norm", "mlp_span", "spectral", "tag", "labels", "fingerprint_pool")
-DEFENCES = ("none", "aegis-paper", "aegis-utility", "dp-sgd", "prune-90", "soteria-80")
+DEFENCES = ("none", "aegis-verification", "aegis-reconstruction", "dp-sgd", "prune-90", "soteria-80")
+DEFENCE_CHOICES = (*DEFENCES, "aegis-paper")  # the paper's formulas: a reproduction, not a default
 GPU_ROUNDS = 300
 MAX_CLIENTS = 64
 CHACHA = "chacha"  # the CPU flood's shipped normals, as the result file names them
@@ -117,7 +118,7 @@ def _names(option: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> No
 
 def check(config: UtilityConfig) -> None:
     _names("--models", config.models, MODELS)
-    _names("--defences", config.defences, DEFENCES)
+    _names("--defences", config.defences, DEFENCE_CHOICES)
     if config.attacks:
         _names("--attacks", config.attacks, ATTACKS)
     if not config.algorithms or len(set(config.algorithms)) != len(config.algorithms):
