@@ -10,7 +10,8 @@ swap), so under "no structure" each fold's AUC is a Mann-Whitney AUC on V / 2 ro
 n0 + 1) / (12 n1 n0)) with n1 = A / 2 signal and n0 = (V - A) / 2 noise rows. The two folds' AUCs are
 strongly correlated under the null (0.65 measured), so the mean keeps about that sd (ns.auc_null_sd).
 Reference case V = 4000 rows of d = 128, A = 1000 signal rows: sd = 0.0149, so 0.55 is 3.4 sd above
-0.5 (fixed seeds). Interpreter case (V = 2048, d = 64, A = 512, sd = 0.0208): bound 0.5 + 4 sd = 0.583.
+0.5 (fixed seeds); the numba CPU flood (torch.ops.aegis on CPU) gets its own case of that size.
+Interpreter case (V = 2048, d = 64, A = 512, sd = 0.0208): bound 0.5 + 4 sd = 0.583.
 GPU case (V = 6000, A = 1500, sd = 0.0122): 0.55 (4.1 sd).
 
 The "image" family asks whether a row's fp32 values all lie in the rounding image of a product by
@@ -125,6 +126,37 @@ def test_new_stream_reference(name):
     pure-noise rows, for every output dtype."""
     full, clean, old_stat = _reference_results(name)
     _check(clean, BOUND)
+    assert old_stat <= BOUND
+
+
+# ----------------------------------------------------------------------------- new stream (numba CPU flood)
+@functools.cache
+def _cpu_results(name: str):
+    """The registered CPU op (aegis_kernels.cpu, numba), on its own case and key; the reference's noise
+    is refused while it runs, so the battery reads the numba path's output."""
+    pytest.importorskip("numba")
+    import aegis_kernels  # noqa: F401  (registers the CPU flood)
+
+    dtype = DTYPES[name]
+    g, labels, sigma = _case(V, D, ACTIVE, dtype, seed=4)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ref, "noise_components", None)  # a call would raise
+    try:
+        out, stats = torch.ops.aegis.flood(g, "rows", _params(sigma), ref.key_from_int(KEY + 4), 0)
+    finally:
+        mp.undo()
+    assert out.dtype == dtype and int(stats[1]) == ACTIVE
+    full = _run_battery(out, stats[0].item(), labels)
+    old_stat = ns.auc(ns.old_lattice_statistic(out).double(), ~labels)
+    print(f"\nnew stream, CPU flood, {name}: {({k: round(v, 3) for k, v in full.items()})}, old lattice {old_stat:.3f}")
+    return full, old_stat
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_new_stream_cpu_flood(name):
+    """torch.ops.aegis.flood on CPU (the numba flood that mask_() runs): the same bound as the reference."""
+    full, old_stat = _cpu_results(name)
+    _check(full, BOUND)
     assert old_stat <= BOUND
 
 
