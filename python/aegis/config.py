@@ -352,7 +352,8 @@ class AegisConfig:
 
     @property
     def treatments(self) -> dict[str, Treatment]:
-        base = PRESETS[self.preset] if isinstance(self.preset, Preset) else self.preset
+        preset = preset_from(self.preset) if isinstance(self.preset, str) else self.preset  # a Preset already
+        base = PRESETS[preset] if isinstance(preset, Preset) else preset
         missing = set(ROLES) - set(base) - set(self.overrides)
         if missing:
             raise ValueError(f"preset has no treatment for roles {sorted(missing)}")
