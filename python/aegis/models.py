@@ -83,10 +83,10 @@ def default_decoder(
       ``logits = h E^T + b``: the word embeddings ``E`` (tied) and a vocabulary bias ``b`` starting at 0.
       MiniLM ships no MLM head, and BERT's ``cls.predictions.transform`` (dense, GELU, LayerNorm) is left
       out rather than started at random: AEGIS gives its parameters the MLP / norm / bias roles, which the
-      ``utility`` preset freezes and the ``paper`` preset floods with rho = 0, so under either preset a
-      random transform would never learn and would scramble the pretrained features before the head
-      for good. Without it the head is GPT-2's (final LayerNorm, tied embeddings: every BERT layer ends
-      in a LayerNorm), and each of its tensors is vocabulary-indexed, a rows flood both presets train.
+      ``verification`` preset floods with rho = 0, so there a random transform would never learn and
+      would scramble the pretrained features before the head for good. Without it the head is GPT-2's
+      (final LayerNorm, tied embeddings: every BERT layer ends in a LayerNorm), and each of its tensors is
+      vocabulary-indexed (a rows flood under ``verification``, frozen under ``reconstruction``).
       Nothing is random, so ``seed`` changes nothing.
     * ``arch=DecoderArch.GPT2``: ``GPT2LMHeadModel`` with LM head tied to the token embeddings
       (``n_layer`` 4 and ``n_head`` 6 unless given): random attention.
