@@ -24,13 +24,14 @@ around :class:`SecureTrainer`):
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.common import bytes_to_ndarray
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
@@ -40,7 +41,7 @@ from ..config import AegisConfig, Calibration
 from ..defence import Batch, LossFn, lm_loss
 from ..shield import Shield, protect
 from . import secagg_patch
-from .client import refuse
+from .client import MOD_FAILED_PRECONDITION
 
 # The legacy FitRes layout the SecAgg+ workflow reads (flwr.compat's fitres_to_recorddict), with the
 # only values an AEGIS client sends in the clear: public constants.
@@ -50,7 +51,11 @@ FITINS_PARAMETERS, FITINS_CONFIG = "fitins.parameters", "fitins.config"
 NUM_EXAMPLES = 1  # the SecAgg+ weight of every client: the server gets the plain mean of the survivors
 MAX_WEIGHT = float(NUM_EXAMPLES)  # weight / max_weight = 1 quantises exactly
 CLIP_SDS = 8.0  # the clipping range must cover signal + this many standard deviations of the share
+# The only reason a refusal sends: why a client refused (a failed check on its own data, a budget) is
+# itself information, so it stays in the client's log and SecureGuard.refusals.
+REFUSAL = "SecureGuard refused this SecAgg+ stage; the reason is in the client's log"
 SETUP_KEY = "aegis-secagg-setup"  # this client's copy of the accepted setup (Context.state, never sent)
+log = logging.getLogger("aegis.fl")
 _REPLY_KEYS = {  # what each stage may send: the SecAgg+ record's fields
     Stage.SETUP: {Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2},
     Stage.SHARE_KEYS: {Key.DESTINATION_LIST, Key.CIPHERTEXT_LIST},
@@ -170,23 +175,29 @@ class SecureGuard:
 
     def __init__(self, pin: SurvivorPin) -> None:
         self.pin = pin
+        self.refusals: list[str] = []  # why this client refused, in order (kept here and logged, never sent)
 
     def __call__(self, msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
         if msg.metadata.message_type != MessageType.TRAIN:
-            return refuse(msg, "a secure AEGIS client answers SecAgg+ train rounds only")
+            return self._refuse(msg, "a secure AEGIS client answers SecAgg+ train rounds only")
         try:
             secagg_patch.require_installed()
             stage = self._check_in(msg, context)
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
-            return refuse(msg, str(err))
+            return self._refuse(msg, str(err))
         try:
             reply = call_next(msg, context)
         except Exception as err:  # noqa: BLE001 - whatever failed, nothing of this round may leave
-            return refuse(msg, f"{type(err).__name__}: {err}")
+            return self._refuse(msg, f"{type(err).__name__}: {err}")
         if reply.has_error():
-            return reply
+            return self._refuse(msg, f"the inner app replied with an error: {reply.error.reason}")
         problem = _clear_text(reply.content, stage)
-        return reply if problem is None else refuse(msg, problem)
+        return reply if problem is None else self._refuse(msg, problem)
+
+    def _refuse(self, msg: Message, reason: str) -> Message:
+        self.refusals.append(reason)
+        log.warning("SecureGuard refused: %s", reason)
+        return Message(Error(code=MOD_FAILED_PRECONDITION, reason=REFUSAL), reply_to=msg)
 
     def _check_in(self, msg: Message, context: Context) -> str:
         """The stage of an acceptable incoming message; raises why one is not."""
@@ -244,7 +255,7 @@ def _clear_text(content: RecordDict, stage: str) -> str | None:
         return f"record(s) {extra} would travel in the clear beside SecAgg+'s; a secure reply carries none"
     fields = set(content.config_records[RECORD_KEY_CONFIGS].keys()) if RECORD_KEY_CONFIGS in content else set()
     if fields != _REPLY_KEYS[stage]:
-        return f"the SecAgg+ record of stage {stage!r} has fields {sorted(fields)}, expected {sorted(_REPLY_KEYS[stage])}"
+        return f"the SecAgg+ record of stage {stage!r} has fields {sorted(fields)}, not {sorted(_REPLY_KEYS[stage])}"
     if stage != Stage.COLLECT_MASKED_VECTORS:
         return None
     if len(content.array_records.get(FITRES_PARAMETERS, {})):

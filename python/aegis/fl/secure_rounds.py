@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -23,8 +25,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from flwr.app import Context, Message, RecordDict
-from flwr.clientapp import ClientApp
 from flwr.client.mod import secaggplus_mod
+from flwr.clientapp import ClientApp
 from flwr.common import FitIns, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.server import LegacyContext, ServerConfig
@@ -36,6 +38,7 @@ from ..config import AegisConfig
 from ..defence import Batch, LossFn, lm_loss
 from ..shield import protect
 from . import secagg_patch
+from .accountant import PrivacyStatement, noise_multiplier, statement
 from .client import trainable_arrays
 from .secure import MAX_WEIGHT, SecureGuard, SecureTrainer, SurvivorPin, check_quantisation, entry_bound, noise_share
 from .simulation import FIRST_NODE_ID, SUPERLINK_NODE_ID, InProcessGrid, flower_log_level, flower_runtime
@@ -147,9 +150,34 @@ class SecureRun:
     strategy: SecureStrategy
     grid: SerialisingGrid
     trainers: list[SecureTrainer]
+    guards: list[SecureGuard]  # per client: its refusals (client side, never sent)
     names: list[str]  # the trainable parameters, in the order of every array list
     model: nn.Module  # the global model after the last round
     sums: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # round -> survivors' sum (mean x count)
+
+    def privacy(self, delta: float = 1e-5, rows: Mapping[str, int] | None = None) -> PrivacyStatement:
+        """The run's (epsilon, delta) per example, for the worst client: each export's z from the
+        flood tables the client used (its share times sqrt of its pin: the sum's noise when the
+        survivors are at least its pin and share alike), composed over the most-exported batch's
+        exports, no sampling amplification (each client passes over its batches in order)."""
+        worst = None
+        for trainer in self.trainers:
+            report = trainer.shield.report().rows
+            shapes = {r.name: r.shape for r in report}
+            modes = {r.name: "rows" if r.action == "rows flood" else "matrix" for r in report}
+            names = [r.name for r in report if r.action.endswith("flood")]
+            scale = math.sqrt(trainer.pin.min_survivors)
+            z = math.inf
+            for tables in trainer.tables.values():
+                for table in tables:
+                    full = {n: (rho, sigma * scale, clip, thr) for n, (rho, sigma, clip, thr) in
+                            zip(names, table.double().tolist())}
+                    z = min(z, noise_multiplier(full, shapes, modes, rows))
+            uses = Counter(id(b) for used in trainer.batches_used.values() for b in used)
+            found = statement(z, max(uses.values(), default=0), delta=delta)
+            if worst is None or found.epsilon > worst.epsilon:
+                worst = found
+        return worst if worst is not None else statement(math.inf, 0, delta=delta)
 
 
 def required_clipping_range(model: nn.Module, pin: SurvivorPin, config: AegisConfig | None = None,
@@ -167,7 +195,7 @@ def run_secure_rounds(
     *,
     rounds: int,
     pin: SurvivorPin | Sequence[SurvivorPin],
-    config: AegisConfig | None = None,
+    config: AegisConfig | Sequence[AegisConfig] | None = None,
     algorithm: str = "fedsgd",
     optimizer: str = "sgd",
     lr: float = 0.1,
@@ -186,7 +214,8 @@ def run_secure_rounds(
 ) -> SecureRun:
     """Secure rounds of ``len(client_batches)`` AEGIS clients on the in-process grid.
 
-    pin:                       each client's :class:`SurvivorPin` (one for all, or one per client).
+    pin, config:               each client's :class:`SurvivorPin` and AEGIS configuration (one for all, or
+                               one per client; the first configuration also shapes the global arrays).
     num_shares, reconstruction_threshold, clipping_range, quantization_range, modulus_range, max_weight:
                                ``SecAggPlusWorkflow``'s; the threshold defaults to the largest pin and the
                                clipping range to :func:`required_clipping_range`. Checked before round 1.
@@ -196,28 +225,28 @@ def run_secure_rounds(
     """
     secagg_patch.install()
     n = len(client_batches)
-    pins = list(pin) if isinstance(pin, Sequence) else [pin] * n
-    if len(pins) != n:
-        raise ValueError(f"pin: {len(pins)} pins for {n} clients; give one, or one per client")
+    pins, configs = _per_client(pin, n, "pin"), _per_client(config or AegisConfig(), n, "config")
     server_model = _copy(model)
-    protect(server_model, None, config or AegisConfig())  # the global arrays: attention frozen, as on clients
+    protect(server_model, None, configs[0])  # the global arrays: attention frozen, as on clients
     names = list(trainable_arrays(server_model).keys())
     if reconstruction_threshold is None:
         reconstruction_threshold = max(p.min_survivors for p in pins)
     if clipping_range is None:
-        clipping_range = max(required_clipping_range(model, p, config, local_steps if algorithm == "fedavg" else 1)
-                             for p in pins)
+        steps = local_steps if algorithm == "fedavg" else 1
+        clipping_range = max(required_clipping_range(model, p, c, steps) for p, c in zip(pins, configs))
     nodes_total = n + len(extra_nodes or {})
     check_quantisation(clipping_range=clipping_range, quantization_range=quantization_range,
                        modulus_range=modulus_range, max_weight=max_weight, clients=nodes_total)
 
-    trainers, apps, contexts = [], {}, {}
+    trainers, guards, apps, contexts = [], [], {}, {}
     for c, batches in enumerate(client_batches):
         node = FIRST_NODE_ID + c
-        trainer = SecureTrainer(_copy(model), batches, pins[c], config=config, loss_fn=loss_fn)
+        trainer = SecureTrainer(_copy(model), batches, pins[c], config=configs[c], loss_fn=loss_fn)
+        guard = SecureGuard(pins[c])
         app = ClientApp()
-        app.train(mods=[SecureGuard(pins[c]), secaggplus_mod])(trainer)
+        app.train(mods=[guard, secaggplus_mod])(trainer)
         trainers.append(trainer)
+        guards.append(guard)
         apps[node] = app
     apps.update(extra_nodes or {})
     for node in apps:
@@ -239,7 +268,14 @@ def run_secure_rounds(
             params[name].copy_(p)
     sums = {r: {k: torch.from_numpy(np.asarray(a, dtype=np.float64)) * strategy.survivors[r]
                 for k, a in zip(names, mean)} for r, mean in strategy.aggregates.items()}
-    return SecureRun(strategy, grid, trainers, names, server_model, sums)
+    return SecureRun(strategy, grid, trainers, guards, names, server_model, sums)
+
+
+def _per_client(value, n: int, name: str) -> list:
+    values = list(value) if isinstance(value, Sequence) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"{name}: {len(values)} given for {n} clients; give one, or one per client")
+    return values
 
 
 def _copy(model: nn.Module) -> nn.Module:
