@@ -168,6 +168,48 @@ def check_quantisation(*, clipping_range: float, quantization_range: int, modulu
         )
 
 
+@dataclass(frozen=True)
+class SecAggSetup:
+    """The SecAgg+ parameters a setup stage announces (what this client checks and keeps)."""
+
+    sampled: int
+    shares: int
+    threshold: int
+    clipping_range: float
+    quantization_range: int
+    modulus_range: int
+    max_weight: float
+
+    _KEYS = ((Key.SAMPLE_NUMBER, int), (Key.SHARE_NUMBER, int), (Key.THRESHOLD, int), (Key.CLIPPING_RANGE, float),
+             (Key.TARGET_RANGE, int), (Key.MOD_RANGE, int), (Key.MAX_WEIGHT, float))
+
+    @classmethod
+    def read(cls, configs: ConfigRecord) -> SecAggSetup:
+        return cls(*(_number(configs, key, kind) for key, kind in cls._KEYS))
+
+    def record(self) -> ConfigRecord:
+        return ConfigRecord({key: value for (key, _), value in zip(self._KEYS, vars(self).values())})
+
+    def check(self, bound: float | None = None) -> None:
+        check_quantisation(clipping_range=self.clipping_range, quantization_range=self.quantization_range,
+                           modulus_range=self.modulus_range, max_weight=self.max_weight, clients=self.sampled,
+                           bound=bound)
+
+
+def _number(configs: ConfigRecord, key: str, kind: type[int] | type[float]):
+    value = configs.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise TypeError(f"the server's '{key}' = {value!r} is not a {kind.__name__}")
+    return kind(value)
+
+
+def _ids(configs: ConfigRecord, key: str) -> set[int]:
+    value = configs.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise TypeError(f"the server's '{key}' is not a list of node ids")
+    return {int(v) for v in value}
+
+
 # -- the guard -------------------------------------------------------------------------------------
 class SecureGuard:
     """Outermost client mod of a secure round (see the module docstring): refuses setups below the
@@ -204,37 +246,34 @@ class SecureGuard:
         configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
         if configs is None or not isinstance(configs.get(Key.STAGE), str):
             raise ValueError("not a SecAgg+ message: a secure client never sends its update outside SecAgg+")
-        stage, t, node = configs[Key.STAGE], self.pin.min_survivors, msg.metadata.dst_node_id
+        stage, t, node = str(configs[Key.STAGE]), self.pin.min_survivors, msg.metadata.dst_node_id
         if stage == Stage.SETUP:
-            setup = {k: configs.get(k) for k in (Key.SAMPLE_NUMBER, Key.SHARE_NUMBER, Key.THRESHOLD,
-                                                Key.CLIPPING_RANGE, Key.TARGET_RANGE, Key.MOD_RANGE, Key.MAX_WEIGHT)}
-            threshold, shares, sampled = setup[Key.THRESHOLD], setup[Key.SHARE_NUMBER], setup[Key.SAMPLE_NUMBER]
-            if threshold < t:
-                raise ValueError(f"reconstruction_threshold={threshold} is below this client's pin of {t} survivors: "
-                                 f"use SecAggPlusWorkflow(reconstruction_threshold >= {t})")
-            if 2 * threshold <= shares:
+            setup = SecAggSetup.read(configs)
+            if setup.threshold < t:
+                raise ValueError(f"reconstruction_threshold={setup.threshold} is below this client's pin of {t} "
+                                 f"survivors: use SecAggPlusWorkflow(reconstruction_threshold >= {t})")
+            if 2 * setup.threshold <= setup.shares:
                 raise ValueError(
-                    f"reconstruction_threshold={threshold} is not above half of num_shares={shares}: a server could "
-                    "rebuild one client's mask from two disjoint halves; raise it above num_shares / 2")
-            if sampled < t:
-                raise ValueError(f"{sampled} clients sampled, fewer than this client's pin of {t}")
-            check_quantisation(clipping_range=setup[Key.CLIPPING_RANGE], quantization_range=setup[Key.TARGET_RANGE],
-                               modulus_range=setup[Key.MOD_RANGE], max_weight=setup[Key.MAX_WEIGHT], clients=sampled)
-            context.state.config_records[SETUP_KEY] = ConfigRecord(setup)
+                    f"reconstruction_threshold={setup.threshold} is not above half of num_shares={setup.shares}: a "
+                    "server could rebuild one client's mask from two disjoint halves; raise it above num_shares / 2")
+            if setup.sampled < t:
+                raise ValueError(f"{setup.sampled} clients sampled, fewer than this client's pin of {t}")
+            setup.check()
+            context.state.config_records[SETUP_KEY] = setup.record()
         elif SETUP_KEY not in context.state.config_records:
             raise ValueError(f"stage {stage!r} without an accepted setup")
         elif stage == Stage.SHARE_KEYS:
-            self._members({int(k) for k in configs if k != Key.STAGE} - {node}, node, stage)
+            self._members({int(k) for k in configs if k != Key.STAGE} - {node}, stage)
         elif stage == Stage.COLLECT_MASKED_VECTORS:
-            self._members(set(configs.get(Key.SOURCE_LIST, [])), node, stage)
+            self._members(_ids(configs, Key.SOURCE_LIST), stage)
         elif stage == Stage.UNMASK:
-            active, dead = set(configs.get(Key.ACTIVE_NODE_ID_LIST, [])), set(configs.get(Key.DEAD_NODE_ID_LIST, []))
+            active, dead = _ids(configs, Key.ACTIVE_NODE_ID_LIST), _ids(configs, Key.DEAD_NODE_ID_LIST)
             if node in dead or active & dead:
                 raise ValueError(f"the server lists this node or a neighbour as both active and dropped ({stage})")
-            self._members(active - {node}, node, stage)
+            self._members(active - {node}, stage)
         return stage
 
-    def _members(self, others: set[int], node: int, stage: str) -> None:
+    def _members(self, others: set[int], stage: str) -> None:
         """This node plus ``others`` must be at least t trusted clients."""
         peers, t = self.pin.peers, self.pin.min_survivors
         if peers is not None and others - peers:
@@ -291,14 +330,14 @@ class SecureTrainer:
     def __call__(self, msg: Message, context: Context) -> Message:
         content = msg.content
         config = content.config_records[FITINS_CONFIG]
-        server_round, algorithm = int(config["server-round"]), str(config.get("algorithm", "fedsgd"))
-        steps = int(config.get("local-steps", 1)) if algorithm == "fedavg" else 1
+        server_round, algorithm = _number(config, "server-round", int), str(config.get("algorithm", "fedsgd"))
+        steps = _number(config, "local-steps", int) if algorithm == "fedavg" else 1
         if algorithm not in ("fedsgd", "fedavg") or steps < 1:
             raise ValueError(f"algorithm={algorithm!r}, local-steps={steps}: use fedsgd, or fedavg with >= 1 step")
         self._load(content.array_records[FITINS_PARAMETERS])
         params = [p for n, p in self.model.named_parameters() if p.requires_grad]
         start = [p.detach().clone() for p in params]
-        lr = float(config.get("lr", 1.0))
+        lr = _number(config, "lr", float) if algorithm == "fedavg" else 1.0
         tables, used = [], []
         for s in range(steps):
             batch = self.batches[(server_round - 1 + s) % len(self.batches)]
@@ -318,11 +357,7 @@ class SecureTrainer:
             update = [(s0 - p.detach()) / lr for s0, p in zip(start, params)]
         else:
             update = [grads[n] for n in self.names]
-        setup = context.state.config_records[SETUP_KEY]
-        check_quantisation(clipping_range=float(setup[Key.CLIPPING_RANGE]),
-                           quantization_range=int(setup[Key.TARGET_RANGE]), modulus_range=int(setup[Key.MOD_RANGE]),
-                           max_weight=float(setup[Key.MAX_WEIGHT]), clients=int(setup[Key.SAMPLE_NUMBER]),
-                           bound=entry_bound(tables))
+        SecAggSetup.read(context.state.config_records[SETUP_KEY]).check(entry_bound(tables))
         self.tables[server_round], self.batches_used[server_round] = tables, used
         self.updates[server_round] = [u.detach().cpu().clone() for u in update]
         return Message(fitres_content(update), reply_to=msg)

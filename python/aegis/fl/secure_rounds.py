@@ -238,7 +238,8 @@ def run_secure_rounds(
     check_quantisation(clipping_range=clipping_range, quantization_range=quantization_range,
                        modulus_range=modulus_range, max_weight=max_weight, clients=nodes_total)
 
-    trainers, guards, apps, contexts = [], [], {}, {}
+    trainers, guards, contexts = [], [], {}
+    apps: dict[int, Callable[[Message, Context], Message]] = {}
     for c, batches in enumerate(client_batches):
         node = FIRST_NODE_ID + c
         trainer = SecureTrainer(_copy(model), batches, pins[c], config=configs[c], loss_fn=loss_fn)
