@@ -2,6 +2,7 @@
 ``torch.compile``d, against the copy-bandwidth floor measured in the same run.
 
     python benchmarks/kernels.py [--out DIR] [--skip-compile] [--only NAME ...] [--baseline DIR]
+    python benchmarks/kernels.py --device cpu [--out DIR]   # the CPU flood: benchmarks/kernels_cpu.py
 
 --baseline DIR: a directory holding an earlier ``aegis_kernels`` package (e.g. the Philox stream,
 ``git archive 4d4065b aegis_kernels | tar -x -C DIR``); its fused floods are timed in the same
@@ -369,7 +370,14 @@ def main() -> None:
     ap.add_argument("--compile-grouped", action="store_true", help="also torch.compile the grouped reference")
     ap.add_argument("--skip-eager", action="store_true", help="do not time the eager PyTorch reference")
     ap.add_argument("--baseline", default=None, help="directory holding an earlier baseline_kernels package")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: the numba CPU flood and mask_() / forward + backward (benchmarks/kernels_cpu.py)")
     args = ap.parse_args()
+    if args.device == "cpu":
+        import kernels_cpu
+
+        kernels_cpu.main(args.out)
+        return
     global COMPILE_ONLY, BASELINE, SKIP_EAGER
     SKIP_EAGER = args.skip_eager
     if args.baseline:

@@ -121,7 +121,7 @@ def _run_chunk(job: _Job, chunk: int, key: np.ndarray, buf: _Buffers) -> None:
 
 def _run(jobs: list[_Job], key: Tensor, threads: int) -> None:
     """All chunks of all jobs, shared among ``threads`` workers in contiguous runs of equal work."""
-    k = key.detach().cpu().numpy().astype(np.uint64)
+    k = key.detach().cpu().numpy().astype(np.uint32)
     work = [(job, c) for job in jobs for c in range(job.chunks)]
     if not work:
         return
@@ -231,5 +231,5 @@ def keystream(key: Tensor, block0: int, count: int, domain: int = ref.NOISE_DOMA
     ref.check_key(key)
     w = np.empty((ref.BLOCK_WORDS, count), np.uint32)
     signed = block0 - 2**64 if block0 >= 2**63 else block0  # the kernel's int64 argument, same bits
-    K.words(key.cpu().numpy().astype(np.uint64), signed, domain, w)
+    K.words(key.cpu().numpy().astype(np.uint32), signed, domain, w)
     return torch.from_numpy(w.T.astype(np.int64))

@@ -3,7 +3,8 @@
 The loops run over consecutive blocks or elements with straight-line bodies and one array per
 stream, which is what lets LLVM vectorise them (a loop that stores into many rows of one 2-D
 array, or indexes a tuple by a loop variable, stays scalar). numba widens integer arithmetic to
-64 bits: every ChaCha word is masked back to 32 bits after each addition and rotation.
+64 bits; the cipher's additions and rotations are two small LLVM intrinsics on uint32 instead, so
+its lanes stay 32-bit (16 blocks per AVX-512 register).
 
 Every float step is the reference's, in the same precision and order: fp32 operations stay fp32
 (numba computes float32 op float32 in float32), nothing is contracted into an FMA (numba allows
@@ -14,12 +15,13 @@ calls (torch's fp32 sqrt is not the correctly rounded one), so the exported valu
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from .. import reference as ref
 
-M32 = np.uint64(0xFFFFFFFF)
-C0, C1, C2, C3 = (np.uint64(c) for c in ref.SIGMA_CONSTANTS)
+C0, C1, C2, C3 = (np.uint32(c) for c in ref.SIGMA_CONSTANTS)
 LOW31 = np.uint32(0x7FFFFFFF)
 SIGN = np.uint32(0x80000000)
 WORD_SCALE = np.float32(2.0**-32)
@@ -38,21 +40,39 @@ _kernel = njit(nogil=True, cache=True)
 
 
 # ----------------------------------------------------------------------------- ChaCha8
-@_inline
-def _rotl(x, n):
-    return ((x << np.uint64(n)) | (x >> np.uint64(32 - n))) & M32
+@intrinsic
+def _add32(typingctx, a, b):
+    """a + b mod 2^32 on uint32 (numba's own + widens to 64 bits, halving the vector lanes)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.add(args[0], args[1])
+
+    return types.uint32(types.uint32, types.uint32), codegen
+
+
+@intrinsic
+def _xor_rotl32(typingctx, a, b, n):
+    """rotl(a ^ b, n) on uint32: LLVM's funnel shift, one vprold on AVX-512."""
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        x = builder.xor(args[0], args[1])
+        fshl = builder.module.declare_intrinsic("llvm.fshl", [i32], ir.FunctionType(i32, [i32, i32, i32]))
+        return builder.call(fshl, [x, x, builder.trunc(args[2], i32)])
+
+    return types.uint32(types.uint32, types.uint32, types.intp), codegen
 
 
 @_inline
 def _quarter(a, b, c, d):
-    a = (a + b) & M32
-    d = _rotl(d ^ a, 16)
-    c = (c + d) & M32
-    b = _rotl(b ^ c, 12)
-    a = (a + b) & M32
-    d = _rotl(d ^ a, 8)
-    c = (c + d) & M32
-    b = _rotl(b ^ c, 7)
+    a = _add32(a, b)
+    d = _xor_rotl32(d, a, 16)
+    c = _add32(c, d)
+    b = _xor_rotl32(b, c, 12)
+    a = _add32(a, b)
+    d = _xor_rotl32(d, a, 8)
+    c = _add32(c, d)
+    b = _xor_rotl32(b, c, 7)
     return a, b, c, d
 
 
@@ -73,23 +93,23 @@ def _double_round(x):
 @_kernel
 def words(key, block0, domain, w):
     """w[j, i] = word j of the block with 64-bit counter ``block0 + i`` (reference.keystream), ``key``
-    the 8 words (uint64 array), ``w`` a C-contiguous (16, n) uint32 array."""
+    the 8 words (uint32 array), ``w`` a C-contiguous (16, n) uint32 array."""
     k0, k1, k2, k3, k4, k5, k6, k7 = key[0], key[1], key[2], key[3], key[4], key[5], key[6], key[7]
-    dom = np.uint64(domain)
+    dom, zero = np.uint32(domain), np.uint32(0)
     w0, w1, w2, w3, w4, w5, w6, w7 = w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]
     w8, w9, w10, w11, w12, w13, w14, w15 = w[8], w[9], w[10], w[11], w[12], w[13], w[14], w[15]
     for i in range(w.shape[1]):
         counter = np.uint64(block0) + np.uint64(i)
-        lo, hi = counter & M32, counter >> np.uint64(32)
-        x = (C0, C1, C2, C3, k0, k1, k2, k3, k4, k5, k6, k7, lo, hi, dom, np.uint64(0))
+        lo, hi = np.uint32(counter & np.uint64(0xFFFFFFFF)), np.uint32(counter >> np.uint64(32))
+        x = (C0, C1, C2, C3, k0, k1, k2, k3, k4, k5, k6, k7, lo, hi, dom, zero)
         x = _double_round(x)  # ROUNDS = 8, written out: the loop over blocks stays the innermost
         x = _double_round(x)
         x = _double_round(x)
         x = _double_round(x)
-        w0[i], w1[i], w2[i], w3[i] = x[0] + C0, x[1] + C1, x[2] + C2, x[3] + C3  # stores truncate mod 2^32
-        w4[i], w5[i], w6[i], w7[i] = x[4] + k0, x[5] + k1, x[6] + k2, x[7] + k3
-        w8[i], w9[i], w10[i], w11[i] = x[8] + k4, x[9] + k5, x[10] + k6, x[11] + k7
-        w12[i], w13[i], w14[i], w15[i] = x[12] + lo, x[13] + hi, x[14] + dom, x[15]
+        w0[i], w1[i], w2[i], w3[i] = _add32(x[0], C0), _add32(x[1], C1), _add32(x[2], C2), _add32(x[3], C3)
+        w4[i], w5[i], w6[i], w7[i] = _add32(x[4], k0), _add32(x[5], k1), _add32(x[6], k2), _add32(x[7], k3)
+        w8[i], w9[i], w10[i], w11[i] = _add32(x[8], k4), _add32(x[9], k5), _add32(x[10], k6), _add32(x[11], k7)
+        w12[i], w13[i], w14[i], w15[i] = _add32(x[12], lo), _add32(x[13], hi), _add32(x[14], dom), x[15]
 
 
 # ----------------------------------------------------------------------------- Box-Muller
