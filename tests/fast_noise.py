@@ -3,8 +3,9 @@
 The reference cipher costs ~1.6 s per 12M elements on one quiet core; attack tests that mask hundreds of
 steps swap it for this. The registered CPU op is pointed back at the reference (as without numba), so the
 swap reaches ``mask_()`` and these tests keep their normals. The attacks never read the noise itself (they
-do not know the key), only its law, which is the same standard normal; the shield's calibration, clipping, masking and export run
-unchanged. Tests of the stream itself (test_reference, test_kernels, test_noise_battery) never use it.
+do not know the key), only its law, which is the same standard normal; the shield's calibration,
+clipping, masking and export run unchanged. Tests of the stream itself (test_reference, test_kernels,
+test_noise_battery, test_cpu_flood) never use it.
 """
 import hashlib
 
