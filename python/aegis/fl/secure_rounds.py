@@ -47,15 +47,22 @@ from .simulation import FIRST_NODE_ID, SUPERLINK_NODE_ID, InProcessGrid, flower_
 class SerialisingGrid(InProcessGrid):
     """An :class:`InProcessGrid` that serialises every message and reply (Flower's protobuf serde).
 
-    ``wire`` keeps the serialised replies as the server received them: (node, stage, bytes)."""
+    ``wire`` keeps the serialised replies as the server received them: (node, stage, bytes);
+    ``instruction_bytes`` counts the serialised messages it sent."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.wire: list[tuple[int, str, bytes]] = []
+        self.instruction_bytes = 0
         self.set_run(SimpleNamespace(run_id=0))  # the legacy client manager reads grid.run.run_id only
 
     def push_messages(self, messages):
-        return super().push_messages([_round_trip(m) for m in messages])
+        sent = []
+        for msg in messages:
+            proto = message_to_proto(msg)
+            self.instruction_bytes += proto.ByteSize()
+            sent.append(message_from_proto(proto))
+        return super().push_messages(sent)
 
     def pull_messages(self, message_ids):
         replies = []
