@@ -20,13 +20,13 @@ from aegis import AegisConfig, protect
 from aegis.config import Treatment
 from aegis.fl import secagg_patch
 from aegis.fl.accountant import epsilons, gaussian_epsilon, noise_multiplier, statement
-from aegis.fl.secure import REFUSAL, SurvivorPin, check_quantisation, fitres_content, noise_share
+from aegis.fl.secure import REFUSAL, SecureGuard, SurvivorPin, check_quantisation, fitres_content, noise_share
 from aegis.fl.secure_rounds import run_secure_rounds
 from fast_noise import fast_noise  # noqa: F401  (fixture)
 
 transformers.logging.set_verbosity_error()
 pytestmark = pytest.mark.filterwarnings(r"ignore:AegisConfig\(seed=")
-STAGE_FIELDS = {"setup": {"pk1", "pk2"}, "share_keys": {"dsts", "ctxts"},
+STAGE_FIELDS = {"setup": {"pk1", "pk2"}, "share_keys": {"dsts", "ctxts"},  # Flower 1.42's SecAgg+ replies
                 "collect_masked_vectors": {"masked_params"}, "unmask": {"nids", "shares"}}
 
 
@@ -263,6 +263,24 @@ def test_sybil_clients_outside_the_peers_are_refused():
     assert control.strategy.survivors == {1: 3}
 
 
+def test_a_plain_train_message_is_refused_before_training():
+    from flwr.app import ConfigRecord, Context, MessageType, RecordDict
+
+    from aegis.fl.simulation import flower_runtime
+
+    def must_not_train(msg, ctx):
+        raise AssertionError("the guard must refuse before training")
+
+    guard = SecureGuard(SurvivorPin(3))
+    secagg_patch.install()
+    with flower_runtime():
+        plain = Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), 1000, MessageType.TRAIN)
+    ctx = Context(run_id=0, node_id=1000, node_config={}, state=RecordDict(), run_config={})
+    reply = guard(plain, ctx, must_not_train)
+    assert reply.has_error() and reply.error.reason == REFUSAL
+    assert guard.refusals == ["not a SecAgg+ message: a secure client never sends its update outside SecAgg+"]
+
+
 def test_pin_validation():
     with pytest.raises(ValueError, match="at least 2 survivors"):
         SurvivorPin(1)
@@ -343,6 +361,8 @@ def test_a_run_states_its_epsilon_from_the_exports_per_example():
     one = run_secure_rounds(tiny_gpt2(), data(3, per_client=2), rounds=1, pin=SurvivorPin(3), clipping_range=1.0)
     assert one.privacy().compositions == 1 and one.privacy().epsilon < privacy.epsilon
     assert "per example" in privacy.line()
+    budget = run.privacy(at_budget=True)  # the preset's exposure budget as the composition count
+    assert budget.compositions == AegisConfig().exposures and budget.noise_multiplier == privacy.noise_multiplier
 
 
 # -- attacks on the aggregate --------------------------------------------------------------------------

@@ -56,7 +56,7 @@ CLIP_SDS = 8.0  # the clipping range must cover signal + this many standard devi
 REFUSAL = "SecureGuard refused this SecAgg+ stage; the reason is in the client's log"
 SETUP_KEY = "aegis-secagg-setup"  # this client's copy of the accepted setup (Context.state, never sent)
 log = logging.getLogger("aegis.fl")
-_REPLY_KEYS = {  # what each stage may send: the SecAgg+ record's fields
+REPLY_FIELDS = {  # what each stage may send: the SecAgg+ record's fields
     Stage.SETUP: {Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2},
     Stage.SHARE_KEYS: {Key.DESTINATION_LIST, Key.CIPHERTEXT_LIST},
     Stage.COLLECT_MASKED_VECTORS: {Key.MASKED_PARAMETERS},
@@ -268,8 +268,9 @@ class SecureGuard:
             self._members(_ids(configs, Key.SOURCE_LIST), stage)
         elif stage == Stage.UNMASK:
             active, dead = _ids(configs, Key.ACTIVE_NODE_ID_LIST), _ids(configs, Key.DEAD_NODE_ID_LIST)
-            if node in dead or active & dead:
-                raise ValueError(f"the server lists this node or a neighbour as both active and dropped ({stage})")
+            if node not in active or active & dead:
+                raise ValueError(f"the server lists this node as dropped, or a neighbour as both active and dropped "
+                                 f"({stage})")
             self._members(active - {node}, stage)
         return stage
 
@@ -293,8 +294,8 @@ def _clear_text(content: RecordDict, stage: str) -> str | None:
     if extra:
         return f"record(s) {extra} would travel in the clear beside SecAgg+'s; a secure reply carries none"
     fields = set(content.config_records[RECORD_KEY_CONFIGS].keys()) if RECORD_KEY_CONFIGS in content else set()
-    if fields != _REPLY_KEYS[stage]:
-        return f"the SecAgg+ record of stage {stage!r} has fields {sorted(fields)}, not {sorted(_REPLY_KEYS[stage])}"
+    if fields != REPLY_FIELDS[stage]:
+        return f"the SecAgg+ record of stage {stage!r} has fields {sorted(fields)}, not {sorted(REPLY_FIELDS[stage])}"
     if stage != Stage.COLLECT_MASKED_VECTORS:
         return None
     if len(content.array_records.get(FITRES_PARAMETERS, {})):

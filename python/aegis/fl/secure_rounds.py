@@ -28,6 +28,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import FitIns, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.server import LegacyContext, ServerConfig
 from flwr.server.strategy import Strategy
@@ -40,7 +41,16 @@ from ..shield import protect
 from . import secagg_patch
 from .accountant import PrivacyStatement, noise_multiplier, statement
 from .client import trainable_arrays
-from .secure import MAX_WEIGHT, SecureGuard, SecureTrainer, SurvivorPin, check_quantisation, entry_bound, noise_share
+from .secure import (
+    MAX_WEIGHT,
+    REPLY_FIELDS,
+    SecureGuard,
+    SecureTrainer,
+    SurvivorPin,
+    check_quantisation,
+    entry_bound,
+    noise_share,
+)
 from .simulation import FIRST_NODE_ID, SUPERLINK_NODE_ID, InProcessGrid, flower_log_level, flower_runtime
 
 
@@ -80,12 +90,9 @@ def _round_trip(msg: Message) -> Message:
 def _stage(msg: Message) -> str:
     if msg.has_error():
         return "error"
-    configs = msg.content.config_records.get("secaggplus_configs")
-    return "?" if configs is None else _REPLY_STAGE.get(frozenset(configs.keys()), "?")
-
-
-_REPLY_STAGE = {frozenset({"pk1", "pk2"}): "setup", frozenset({"dsts", "ctxts"}): "share_keys",
-                frozenset({"masked_params"}): "collect_masked_vectors", frozenset({"nids", "shares"}): "unmask"}
+    configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+    fields = set() if configs is None else set(configs.keys())
+    return next((stage for stage, expected in REPLY_FIELDS.items() if fields == expected), "?")
 
 
 class SecureStrategy(Strategy):
@@ -162,11 +169,14 @@ class SecureRun:
     model: nn.Module  # the global model after the last round
     sums: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # round -> survivors' sum (mean x count)
 
-    def privacy(self, delta: float = 1e-5, rows: Mapping[str, int] | None = None) -> PrivacyStatement:
+    def privacy(self, delta: float = 1e-5, rows: Mapping[str, int] | None = None, *,
+                at_budget: bool = False) -> PrivacyStatement:
         """The run's (epsilon, delta) per example, for the worst client: each export's z from the
         flood tables the client used (its share times sqrt of its pin: the sum's noise when the
         survivors are at least its pin and share alike), composed over the most-exported batch's
-        exports, no sampling amplification (each client passes over its batches in order)."""
+        exports, no sampling amplification (each client passes over its batches in order).
+        ``at_budget``: compose the exposure budget's count of exports instead (what the
+        configuration promises, whatever this run used)."""
         worst = None
         for trainer in self.trainers:
             report = trainer.shield.report().rows
@@ -181,7 +191,8 @@ class SecureRun:
                             zip(names, table.double().tolist())}
                     z = min(z, noise_multiplier(full, shapes, modes, rows))
             uses = Counter(id(b) for used in trainer.batches_used.values() for b in used)
-            found = statement(z, max(uses.values(), default=0), delta=delta)
+            count = trainer.shield.config.exposures if at_budget else max(uses.values(), default=0)
+            found = statement(z, count, delta=delta)
             if worst is None or found.epsilon > worst.epsilon:
                 worst = found
         return worst if worst is not None else statement(math.inf, 0, delta=delta)
