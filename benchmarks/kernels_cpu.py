@@ -6,12 +6,12 @@ all threads, in one run.
   tensor and 36 matrices, 22.3 M values) in fp32 and bf16, GB/s of gradient (bytes of the tensors);
   the reference's on a 1 M-value slice of the same set (it is linear in the size).
 * training step: ``aegis.protect(model, optimizer)`` (the default preset) on the embedded
-  decoder (``aegis.models.default_decoder()``) at B = 4 x 64 tokens and on SmolLM2-135M
+  decoder (``aegis.models.default_decoder()``) at B = 4 x 64 and 4 x 16 tokens and on SmolLM2-135M
   (``aegis.smollm2.load_smollm2``, skipped if its weights cannot be found) at B = 8 x 64 tokens; fresh
   random tokens every step; medians over the timed steps of forward + backward and of ``mask_()``,
   wall-clock and CPU seconds (the process's, all threads: on a shared machine the CPU time is the work,
   the wall-clock time the work plus the waits for a core).
-  The reference's ``mask_()`` (numba hidden) is timed for one step of the decoder, one thread.
+  The reference's ``mask_()`` (numba hidden) is timed for one step of the first case, one thread.
 
 "one thread": torch.set_num_threads(1) and aegis_kernels.cpu.set_threads(1); "all threads": both at
 os.cpu_count(). The 1-minute load average is recorded before and after every measurement: the machine
@@ -19,6 +19,7 @@ may be shared. Writes ``kernels-cpu-<cpu>.json`` to --out (default benchmarks/re
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -103,11 +104,11 @@ def flood_throughput(threads: int) -> list[dict]:
     return out
 
 
-def _decoder():
+def _decoder(seq: int):
     from aegis.models import default_decoder
 
     model, _ = default_decoder()
-    return model, 4, 64
+    return model, 4, seq
 
 
 def _smollm2():
@@ -126,7 +127,7 @@ def training_step(name: str, build, threads: int, steps: int, reference_step: bo
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     shield = aegis.protect(model, optimizer)
     vocab = model.get_input_embeddings().weight.shape[0]
-    gen = torch.Generator().manual_seed(SEED + threads)  # fresh examples in each run (the exposure budget)
+    gen = torch.Generator().manual_seed(SEED + 1000 * threads + seq)  # fresh examples each run (exposure budget)
     fwd_bwd, mask, fwd_bwd_cpu, mask_cpu = [], [], [], []
     before = load()
     for step in range(steps + 1):  # step 0: warm-up (calibration, first calls)
@@ -174,7 +175,8 @@ def main(out_dir: str, steps: int = 5) -> Path:
     name, short = cpu_model()
     cores = os.cpu_count() or 1
     print(f"CPU {name} ({cores} logical cores), torch {torch.__version__}, load {load()}", flush=True)
-    models = [("embedded decoder", _decoder)]
+    models = [("embedded decoder", functools.partial(_decoder, 64)),
+              ("embedded decoder", functools.partial(_decoder, 16))]
     skipped = None
     try:
         from aegis.smollm2 import find_gguf
@@ -196,8 +198,9 @@ def main(out_dir: str, steps: int = 5) -> Path:
             set_threads(threads)
             doc["flood"] += flood_throughput(threads)
             for label, build in models:
-                doc["steps"].append(training_step(label, build, threads, steps if "decoder" in label else 3,
-                                                  reference_step=threads == 1 and "decoder" in label))
+                decoder = "decoder" in label
+                doc["steps"].append(training_step(label, build, threads, steps if decoder else 3,
+                                                  reference_step=threads == 1 and decoder and not doc["steps"]))
                 path.write_text(json.dumps(doc, indent=1))  # kept if a later case is cut short
     finally:
         torch.set_num_threads(saved)
