@@ -4,10 +4,10 @@ The flood runs its own workers (flood.py): ``threads`` of them, each taking a co
 the chunks. By default that number is the command line's rule (``aegis audit``): torch's intra-op
 thread count on an idle machine, 1 when other processes already keep the cores busy (1-minute load
 average >= 0.75). Every parallel region waits for its slowest thread, and a thread that loses its core
-to another process stalls the region: on 2 shared cores the reference flood took 30-40 s per step with
-two threads against 2-3 s with one. The rule is read once per process, at the first CPU flood (as the
-command line reads it once at its start); ``set_threads(n)`` fixes the number instead, ``None`` reads
-the rule again.
+to another process stalls the region (on 2 shared cores, a flood of many small torch operations ran
+about ten times slower with two threads than with one). The rule is read once per process, at the
+first CPU flood (as the command line reads it once at its start); ``set_threads(n)`` fixes the number
+instead, ``None`` reads the rule again.
 
 Inside a flood, torch's own intra-op thread count is 1 (the workers are the flood's parallelism), and it
 is restored on return: nothing is left changed in the caller's torch settings. Another Python thread
