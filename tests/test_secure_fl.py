@@ -190,6 +190,12 @@ def test_no_plain_text_leaves_a_client():
             assert configs == {}
         for chunk in sent:  # no update's raw fp32 bytes anywhere on the wire (a 16-byte window of each)
             assert chunk[:16] not in wire
+        if stage == "collect_masked_vectors":  # masked: uniform on [0, 2^32), mean within 6 sd of 2^31
+            # (the quantised update itself lies in [0, 2^22])
+            arrays = content["secaggplus_configs"]["masked_params"]
+            masked = np.concatenate([bytes_to_ndarray(b).ravel() for b in arrays])
+            assert masked.min() >= 0 and masked.max() < 2**32
+            assert abs(masked.mean() - 2**31) <= 6 * 2**32 / math.sqrt(12 * masked.size)
     assert sorted(stages) == sorted(s for s in STAGE_FIELDS for _ in range(3))
 
 
