@@ -78,6 +78,23 @@ def test_keystream_is_rfc8439_chacha8_not_a_copy_of_the_reference():
         assert got[i].tolist() == _py_chacha(_our_state(key, block, ref.NOISE_DOMAIN), 8)
 
 
+def test_torch_elementwise_functions_do_not_depend_on_position():
+    """What bit-for-bit equality rests on: torch's fp32 log / cos / sin / sqrt give an element the same
+    result in a long tensor, in a short one and alone (no separate vector body and scalar tail), on the
+    argument ranges of the flood."""
+    gen = torch.Generator().manual_seed(11)
+    args = {torch.log: torch.rand(20011, generator=gen) * 0.5 + 2.0**-33,
+            torch.cos: (torch.rand(20011, generator=gen) * 2 - 1) * math.pi,
+            torch.sin: (torch.rand(20011, generator=gen) * 2 - 1) * math.pi,
+            torch.sqrt: torch.rand(20011, generator=gen) * 46}
+    for fn, x in args.items():
+        whole = fn(x)
+        pieces = torch.cat([fn(x[i : i + 7]) for i in range(0, 3003, 7)])
+        assert torch.equal(pieces, whole[:3003]), fn.__name__
+        assert torch.equal(fn(x[5:]), whole[5:]), fn.__name__
+        assert all(torch.equal(fn(x[i]), whole[i]) for i in range(0, 200, 13)), fn.__name__
+
+
 # ----------------------------------------------------------------------------- floods, bit for bit
 SHAPES = {"rows": [(1, 1), (7, 5), (37, 29), (301, 3), (4099, 17)], "matrix": [(1,), (13,), (5, 7, 3), (333, 101),
                                                                            (100003,)]}
