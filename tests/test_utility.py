@@ -241,7 +241,7 @@ def test_summary_applies_the_bar():
     worse = {s["defence"]: s for s in _result(ppl=(100.0, 106.0))["summary"]}
     assert not worse["aegis-reconstruction"]["meets_utility"]
     line = _result(ppl=(100.0, 106.0))["statements"][0]
-    assert "meets it: none" in line and "aegis-utility (utility 1.06x undefended)" in line
+    assert "meets it: none" in line and "aegis-reconstruction (utility 1.06x undefended)" in line
 
 
 def test_merge_replaces_runs_and_refuses_other_settings():

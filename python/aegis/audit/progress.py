@@ -16,7 +16,7 @@ def _clock(seconds: float) -> str:
 
 
 class PlainProgress:
-    """``[  1m05s]  37% decoder · aegis-paper · round 2/3 (ETA 1m50s)`` lines, at most one per ``every``
+    """``[  1m05s]  37% decoder · aegis-verification · round 2/3 (ETA 1m50s)`` lines, at most one per ``every``
     seconds (and always at the start and the end), flushed at once. The share is of the estimated cost."""
 
     def __init__(self, stream: TextIO | None = None, every: float = 5.0) -> None:
