@@ -371,6 +371,30 @@ def test_a_run_states_its_epsilon_from_the_exports_per_example():
     assert budget.compositions == AegisConfig().exposures and budget.noise_multiplier == privacy.noise_multiplier
 
 
+# -- the shortcut (one batch of N x B examples + the full noise) ---------------------------------------
+def test_shortcut_equals_real_rounds_where_no_clip_binds_and_carries_the_full_noise():
+    from aegis.fl.shortcut import shortcut_sum
+
+    batches, pin = [lm_batch(100 + c) for c in range(3)], SurvivorPin(3)
+    gaps = {}
+    for clip in (20.0, 1.0):  # 20 x the public norm binds no client here; 1 x does
+        signal = AegisConfig(rel_threshold=0.0, overrides={r: Treatment("rows", lam=0.0, rho=1.0, clip=clip)
+                                                            for r in ROWS})
+        run = run_secure_rounds(tiny_gpt2(), [[b] for b in batches], rounds=1, pin=pin,
+                                config=[signal.replace(seed=c + 1) for c in range(3)], clipping_range=2.0)
+        short = shortcut_sum(tiny_gpt2(), batches, signal, pin)
+        gaps[clip] = max(float((run.sums[1][k] - short[k]).abs().max()) for k in ("transformer.wte.weight",
+                                                                                 "transformer.wpe.weight"))
+    assert gaps[20.0] <= 3 * (2 * 2.0 / 2**22) + 3 * 2.0 * 2**-22, gaps  # to quantisation
+    assert gaps[1.0] > 1e3 * gaps[20.0], gaps  # where clients clip, the sum of clips is not the clip of the sum
+    # the noise: sigma sqrt(N / t) per entry (N = 6, t = 3), on a pure-noise tensor (rho = 0)
+    six = shortcut_sum(tiny_gpt2(), [lm_batch(200 + c) for c in range(6)], AegisConfig(seed=9), pin)
+    rho, sigma = protect(tiny_gpt2(), None, AegisConfig()).public_params()["transformer.h.0.mlp.c_fc.weight"][:2]
+    noise = six["transformer.h.0.mlp.c_fc.weight"]
+    assert rho == 0.0
+    assert abs(float(noise.pow(2).mean()) / (2 * sigma**2) - 1) <= 6 * math.sqrt(2 / noise.numel())
+
+
 # -- attacks on the aggregate --------------------------------------------------------------------------
 PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(20)]
 WEAK = Treatment("rows", lam=1.0, rho=0.3)  # the weakened defence of the candidates tests (no snr cap)

@@ -105,13 +105,21 @@ def noise_share(shield: Shield, scale: float) -> Iterator[Tensor]:
     sigma times ``scale`` (1/sqrt(t) for a share; 0 gives the bare signal rho clip(G), for attacks).
 
     Yields the table the floods use (a copy). Needs the public calibration (the batch calibration's
-    sigma reads the private gradient, so no share of it can be sized in advance). Calibrates first
-    when the table is due, so the shield does not recalibrate over the scaled table inside the block."""
+    sigma reads the private gradient, so no share of it can be sized in advance)."""
+    if not 0.0 <= scale <= 1.0:
+        raise ValueError(f"scale={scale}: a noise share is a factor in [0, 1] on the flood's sigma")
+    with scaled_table(shield, sigma=scale) as table:
+        yield table
+
+
+@contextlib.contextmanager
+def scaled_table(shield: Shield, *, sigma: float = 1.0, clip: float = 1.0) -> Iterator[Tensor]:
+    """The shield's public table with sigma times ``sigma`` and clip and threshold times ``clip``, for
+    the ``mask_()`` calls in the block (restored after; the floods' table is yielded as a copy).
+    Calibrates first when the table is due, so the shield does not recalibrate over it in the block."""
     if shield.config.calibration is not Calibration.PUBLIC:
         raise ValueError("secure rounds need AegisConfig(calibration=Calibration.PUBLIC): the batch "
                          "calibration's sigma depends on the private batch, so no share of it can be sized")
-    if not 0.0 <= scale <= 1.0:
-        raise ValueError(f"scale={scale}: a noise share is a factor in [0, 1] on the flood's sigma")
     if shield._params is None or shield._step - shield._calibrated_step >= shield.config.refresh_every:
         shield.calibrate()
     table = shield._params
@@ -119,7 +127,8 @@ def noise_share(shield: Shield, scale: float) -> Iterator[Tensor]:
         yield torch.zeros(0, 4)
         return
     saved = table.clone()
-    table[:, 1] *= scale
+    table[:, 1] *= sigma
+    table[:, 2:] *= clip
     try:
         yield table.detach().cpu().clone()
     finally:
