@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,6 +69,7 @@ __all__ = [
     "LabelTest",
     "find_head",
     "infer_labels",
+    "infer_many",
     "label_accuracy",
     "label_leak",
     "label_null",
@@ -134,11 +135,31 @@ def _last_linear(module: nn.Module) -> nn.Linear | None:
     return last
 
 
+# model -> {head argument: (the Head, its weight, its bias)}
+_HEAD_CACHE: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+
+
 def find_head(model: nn.Module, head: str | None = None) -> Head:
     """The classification head's final ``nn.Linear``: the module ``head`` when given, else the first module whose
     name is, or ends in, one of :data:`HEAD_NAMES` (a container counts through its last ``nn.Linear``).
 
-    Raises ``ValueError`` naming what it looked for when nothing matches."""
+    Raises ``ValueError`` naming what it looked for when nothing matches. Cached per model (a search walks every
+    module, and an attack reads thousands of exports of one model) while the head's module and tensors stay."""
+    cached = _HEAD_CACHE.get(model, {}).get(head)
+    if cached is not None:
+        found, weight, bias = cached
+        try:
+            current = model.get_submodule(found.path)
+        except AttributeError:
+            current = None
+        if current is found.module and current.weight is weight and current.bias is bias:
+            return found
+    found = _find_head(model, head)
+    _HEAD_CACHE.setdefault(model, {})[head] = (found, found.module.weight, found.module.bias)
+    return found
+
+
+def _find_head(model: nn.Module, head: str | None) -> Head:
     modules = dict(model.named_modules())
     wanted = (head,) if head is not None else HEAD_NAMES
     for cand in wanted:
@@ -297,13 +318,18 @@ def label_leak(
     if not gain > 0:
         raise ValueError(f"gain={gain}: must be > 0")
     h = find_head(model, head)
+    return _leak(h, lambda: _probe(model, h, probe_inputs), grads, batch_size, gain, seed)
+
+
+def _leak(h: Head, probe_of, grads: Mapping[str, Tensor], batch_size: int, gain: float, seed: int) -> LabelLeak:
+    """:func:`label_leak` once the head is found; ``probe_of()`` gives (r, p̄), called only when needed."""
     bias, weight = _read(grads, h.bias), _read(grads, h.weight)
     probe: tuple[Tensor, Tensor] | None = None
 
     if bias is not None and _clean(bias):
         channel, g = "bias", bias
     elif weight is not None:
-        probe = _probe(model, h, probe_inputs)
+        probe = probe_of()
         r = probe[0]
         centred = weight - weight.mean(0, keepdim=True)
         channel, g = "weight", centred @ r / (r @ r)
@@ -323,11 +349,29 @@ def label_leak(
             return LabelLeak([int((weight @ top).abs().argmax())], channel, g.tolist())
         return LabelLeak([int(g.argmin())], channel, g.tolist())
     if probe is None:
-        probe = _probe(model, h, probe_inputs)
+        probe = probe_of()
     real = batch_size * (probe[1] - g)
     counts = _round_counts(real, batch_size)
     labels = [c for c, n in enumerate(counts) for _ in range(n)]
     return LabelLeak(labels, channel, g.tolist(), real.tolist())
+
+
+def infer_many(
+    model: nn.Module, exports: Sequence[Mapping[str, Tensor]], batch_size: int, *, gain: float = 1.0, seed: int = 0
+) -> list[list[int]]:
+    """:func:`infer_labels` (default head and random probe) of many exports of one model, which does not change
+    meanwhile: the head and the probe are looked up once, not once per export."""
+    if batch_size < 1 or not gain > 0:
+        raise ValueError(f"batch_size={batch_size}, gain={gain}: batch_size must be >= 1 and gain > 0")
+    h = find_head(model)
+    probe: list[tuple[Tensor, Tensor]] = []
+
+    def probe_of() -> tuple[Tensor, Tensor]:
+        if not probe:
+            probe.append(_probe(model, h, None))
+        return probe[0]
+
+    return [_leak(h, probe_of, grads, batch_size, gain, seed).labels for grads in exports]
 
 
 def infer_labels(model: nn.Module, grads: Mapping[str, Tensor], batch_size: int, **options) -> list[int]:

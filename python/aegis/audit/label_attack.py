@@ -2,11 +2,21 @@
 
 The federated rounds export a handful of batches, too few to tell a label attack from chance. The server
 holds the attacked model, so the row also attacks fresh exports: batches of B = 1, 2 and 8 sentences no
-client trains on (:data:`LABEL_BATCHES` of each), each exported once through the defence at the first
-attacked round's global model, and decides with a permutation test (:func:`aegis.attacks.labels.label_test`) per
+client trains on (:data:`LABEL_BATCHES` of each), each exported K times through the defence at the first
+attacked round's global model, K = the defence's exposure budget (``AegisConfig.exposures``, 1 for a
+baseline), the attack reading the mean of the K exports (the noise averages as sqrt(K): the strongest use of
+what the promise allows). It decides with a permutation test (:func:`aegis.attacks.labels.label_test`) per
 variant — a batch size, and at B > 1 the naive and the adaptive gain (the head's public rho) — with
 Bonferroni over the variants. The row reports the variant the verdict rests on: it leaks when its accuracy
 exceeds its chance level by more than the margin *and* the adjusted p-value is below ``ALPHA``.
+
+Sample size: a preset's head flood exports rho * clip(G) by design, capped at a small snr, so its excess over
+chance is small but not zero (B = 2, one export: 0.004 ± 0.001, measured over 40 000 batches). The permutation
+test's null is "no signal at all", so it is the margin that separates a leak from that designed trace, and
+the margin must be many standard errors of the accuracy: with 160 batches at B = 2 it was 2.4, and chance
+alone put a row above it with p < ALPHA in about 1 % of runs. :data:`LABEL_BATCHES` puts it at >= 4 standard
+errors at every batch size; when the fresh sentences run out, later batches are drawn from reshuffled
+passes over them (a sentence recurs across batches, never within one; each batch is attacked on its own).
 
 Chance level: the same guesses scored against batches they were not made from (``LabelTest.null``), i.e.
 the accuracy of this very attack on this defence's exports when they carry nothing of the labels. Uniform
@@ -25,6 +35,7 @@ head's norm alone, at most the whole gradient's, so its row is an upper bound of
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import random
 import time
@@ -35,17 +46,26 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ..attacks.labels import LabelTest, find_head, infer_labels, label_accuracy, label_null, label_test
+from ..attacks.labels import (
+    LabelTest,
+    find_head,
+    infer_labels,
+    infer_many,
+    label_accuracy,
+    label_null,
+    label_test,
+)
 from ..data import Example
 from ..defence import Aegis, Defence, NoDefence
+from ..exposure import ExposurePolicy
 from .attacks import COST, AuditAttack, ModelContext
 from .options import DefenceSpec
 from .records import ALPHA, MARGIN, AttackRecord, NullBaseline
 
-# batch size -> fresh exports per defence (B = 1, 2 and 8, from the same 320 sentences): the accuracy's
-# standard error is ~0.024 / 0.028 / 0.02, so chance alone passes the 0.05 margin (a suspect row, not a
-# leak: that needs p < ALPHA too) in about 2 / 4 / 0.5 % of the variants
-LABEL_BATCHES = {1: 320, 2: 160, 8: 40}
+# batch size -> fresh batches per defence: one batch's accuracy has a standard deviation of ~0.43 / 0.26 / 0.12
+# at B = 1 / 2 / 8 (measured on the audit's encoder), so the accuracy's standard error is ~0.012 / 0.010 / 0.010
+# and the 0.05 margin is >= 4 of them (chance passes it with probability < 1e-4 per variant)
+LABEL_BATCHES = {1: 1280, 2: 640, 8: 160}
 PERMUTATIONS = 9999  # p-values resolve down to 1e-4, below ALPHA after Bonferroni over the variants
 _FEATURE_CHUNK = 32
 _FEATURES: OrderedDict[tuple, tuple[Tensor, Tensor]] = OrderedDict()  # the last two attacked models' features
@@ -97,7 +117,9 @@ def head_defence(defence: DefenceSpec) -> tuple[Defence, str, bool]:
     """The defence to run on the head-only client, what the row must say about it, and whether the exports
     are an upper bound of the real ones (then the row cannot establish a leak)."""
     if defence.aegis is not None:
-        return Aegis(defence.aegis), "", False
+        # the head-only client runs no token through the model, so an exposure tracker has nothing to count
+        # (and would write its state at every export): the K exports per batch are set by the caller
+        return Aegis(dataclasses.replace(defence.aegis, exposure=ExposurePolicy.OFF)), "", False
     from ..baselines import DPSGD, Soteria, make_defence
 
     made = make_defence(defence.name)
@@ -136,12 +158,24 @@ def public_gain(defence: Defence, model: nn.Module) -> float:
 
 
 def fresh_batches(ctx: ModelContext, sizes: dict[int, int]) -> tuple[list[Example], dict[int, list[list[int]]]]:
-    """Sentences no client trains on (seeded order) and, per batch size, the batches as index lists into them."""
+    """Sentences no client trains on (seeded order) and, per batch size, the batches as index lists into them:
+    consecutive slices of the seeded order, then of seeded reshuffles of it when one pass does not hold ``n``
+    batches (a sentence recurs across batches, never within one). Sizes with fewer than 2 batches are left out."""
     pool = list(ctx.decoys)
-    random.Random(ctx.config.seed * 1000 + 7).shuffle(pool)
-    batches = {b: [list(range(i * b, (i + 1) * b)) for i in range(min(n, len(pool) // b))] for b, n in sizes.items()}
-    batches = {b: v for b, v in batches.items() if len(v) >= 2}
-    used = max((b * len(v) for b, v in batches.items()), default=0)
+    rng = random.Random(ctx.config.seed * 1000 + 7)
+    rng.shuffle(pool)
+    batches: dict[int, list[list[int]]] = {}
+    for b, n in sizes.items():
+        per_pass = len(pool) // b
+        if per_pass == 0 or len(pool) < 2:  # one sentence makes no two different batches
+            continue
+        order, out = list(range(len(pool))), list[list[int]]()
+        while len(out) < n:
+            out += [order[i * b : (i + 1) * b] for i in range(min(per_pass, n - len(out)))]
+            order = rng.sample(range(len(pool)), len(pool))
+        if len(out) >= 2:
+            batches[b] = out
+    used = max((max(i for idx in v for i in idx) + 1 for v in batches.values()), default=0)
     return pool[:used], batches
 
 
@@ -171,11 +205,19 @@ def _variants(size: int, gain: float) -> list[tuple[str, float]]:
     return [(f"B={size}", 1.0), (f"B={size} gain {gain:.3g}", gain)]
 
 
+def exposures(defence: DefenceSpec) -> int:
+    """K: how many exports of one batch the defence's promise covers (its exposure budget; 1 for a baseline)."""
+    return int(defence.aegis.exposures) if defence.aegis is not None else 1
+
+
 def evaluate(
-    ctx: ModelContext, defence: DefenceSpec, model: nn.Module, sizes: dict[int, int], seed: int
+    ctx: ModelContext, defence: DefenceSpec, model: nn.Module, sizes: dict[int, int], seed: int, k: int = 1
 ) -> tuple[dict[str, LabelTest], float, str, bool]:
-    """Per variant, the label attack over fresh exports of ``defence`` at ``model`` against its chance level;
-    the public gain used, the defence's caveat and whether the exports bound the real ones from above."""
+    """Per variant, the label attack over fresh batches of ``defence`` at ``model``, each exported ``k`` times
+    and read from the mean of its exports, against its chance level; the public gain used, the defence's caveat
+    and whether the exports bound the real ones from above."""
+    if k < 1:
+        raise ValueError(f"k={k}: exports per batch must be >= 1")
     examples, batches = fresh_batches(ctx, sizes)
     if not batches:
         raise ValueError(
@@ -197,10 +239,11 @@ def evaluate(
             exports, truths = [], []
             for idx in index_lists:
                 batch = {"features": features[idx], "labels": labels[idx]}
-                exports.append(guard.step(batch, loss)[1])
+                shared = [guard.step(batch, loss)[1] for _ in range(k)]
+                exports.append({n: torch.stack([s[n] for s in shared]).mean(0) for n in shared[0]})
                 truths.append(labels[idx].tolist())
             for name, g in _variants(b, gain):
-                preds = [infer_labels(model, grads, b, gain=g) for grads in exports]
+                preds = infer_many(model, exports, b, gain=g)
                 tests[name] = label_test(preds, truths, head.out_features, permutations=PERMUTATIONS, seed=seed)
     finally:
         torch.set_num_threads(threads)
@@ -270,7 +313,8 @@ class LabelAttack(AuditAttack):
 
     def run(self, ctx, defence, targets, models, null, tick):
         t0 = time.perf_counter()
-        tests, gain, caveat, bound = evaluate(ctx, defence, models[0], self.batches, ctx.config.seed)
+        k = exposures(defence)
+        tests, gain, caveat, bound = evaluate(ctx, defence, models[0], self.batches, ctx.config.seed, k)
         tick(self.units(ctx.config, len(targets)))
         best, p = verdict_variant(tests)
         chosen = tests[best]
@@ -284,8 +328,9 @@ class LabelAttack(AuditAttack):
             )
             for t in targets
         ]
+        each = f", {k} exports each (their mean attacked)" if k > 1 else ""
         note = (
-            f"rests on {best}: {chosen.n} fresh exports at the attacked model, permutation p {p:.2g} "
+            f"rests on {best}: {chosen.n} fresh batches{each} at the attacked model, permutation p {p:.2g} "
             f"(Bonferroni over {len(tests)} variant{'s' if len(tests) > 1 else ''}); {per}"
         )
         if captured:
@@ -303,6 +348,7 @@ class LabelAttack(AuditAttack):
             round(time.perf_counter() - t0, 2),
             variants={v: round(t.accuracy, 4) for v, t in tests.items()},
             note=note,
+            exposures=k,
             p_value=round(p, 6),
             upper_bound=bound,
         ), []
