@@ -5,15 +5,15 @@ A tensor's stream is cut into chunks of CHUNK_BLOCKS blocks. Per chunk: the numb
 words and the Box-Muller operands, torch takes log / cos / sin / sqrt of them (in place, on
 cache-resident buffers), the numba kernels make the normals and the fused multiply-adds into the
 output. The per-tensor factors and stats (norms, clip, active rows) come from the reference's own
-functions. The chunks of all tensors are shared among ``threads`` workers (threads.py), each with its
-own buffers; inside the flood, torch runs one intra-op thread (restored on return).
+functions, computed just before the tensor's first chunk (it is then in cache for the flood). The chunks
+of all tensors are shared among ``threads`` workers (threads.py), each with its own buffers; inside the
+flood, torch runs one intra-op thread (restored on return).
 """
 from __future__ import annotations
 
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -78,29 +78,55 @@ def _give(buf: _Buffers) -> None:
         _POOL.append(buf)
 
 
-@dataclass
 class _Job:
-    """One tensor to flood: flat input and output (the same tensor in place; numpy views when fp32), the
-    factor of each row of length ``d`` (one row of numel in matrix mode), the noise weight, words per
-    element and the first block."""
+    """One tensor to flood: ``grad`` as given (its factors and stats), its contiguous form ``src`` read
+    into ``out`` (``src`` again in place; numpy views when fp32). The factors are computed by the first
+    worker that reaches the tensor (``prepare``), just before its chunks, while it is in cache."""
 
-    src_t: Tensor
-    dst_t: Tensor
-    scale: np.ndarray
-    d: int
-    w: np.float32
-    per: int
-    block0: int
-    bad: bool = False
-
-    def __post_init__(self) -> None:
+    def __init__(self, grad: Tensor, src: Tensor, out: Tensor, mode: str, params: Tensor, offset: int) -> None:
+        self.grad, self.mode, self.params = grad, mode, params
+        self.src_t, self.dst_t = src.reshape(-1), out.reshape(-1)
         self.src = self.src_t.numpy() if self.src_t.dtype == torch.float32 else None
         self.dst = self.dst_t.numpy() if self.dst_t.dtype == torch.float32 else None
+        self.per = ref.words_per_element(grad.dtype)
+        self.block0 = offset // ref.BLOCK_WORDS
         self.per_chunk = CHUNK_BLOCKS * ref.BLOCK_WORDS // self.per
         self.chunks = -(-self.src_t.numel() // self.per_chunk)
+        self.stats: Tensor | None = None
+        self.bad = False
+        self._lock = threading.Lock()
+
+    def prepare(self) -> None:
+        """scale (per row of length d; one row of numel in matrix mode), noise weight w and stats, from
+        the reference's own functions on the gradient as given (a norm's summation order follows it)."""
+        with self._lock:
+            if self.stats is not None:
+                return
+            g = self.grad.detach().float()
+            if self.mode == "rows":
+                scale, stats = ref.rows_scale(g, self.params)
+                self.d = max(self.grad.shape[1], 1)
+            else:
+                scale, stats = ref.matrix_scale(g, self.params)
+                scale, self.d = scale.reshape(1), max(self.grad.numel(), 1)
+            sigma = stats[0]
+            w = sigma if self.per == 1 else (sigma * ref.INV_SQRT2).float()  # reference.add_noise's weight
+            self.scale, self.w = scale.numpy(), np.float32(w.item())
+            self.stats = stats
+
+    def finish(self) -> Tensor:
+        """reference._finish: a non-finite input element makes the whole output and the stats NaN."""
+        self.prepare()  # an empty tensor has no chunks
+        assert self.stats is not None
+        if self.bad:
+            self.dst_t.fill_(math.nan)
+            self.stats.fill_(math.nan)
+        return self.stats
 
 
 def _run_chunk(job: _Job, chunk: int, key: np.ndarray, buf: _Buffers) -> None:
+    if job.stats is None:
+        job.prepare()
     first = chunk * job.per_chunk
     m = min(job.src_t.numel() - first, job.per_chunk)
     z0, z1 = buf.normals(key, job.block0 + chunk * CHUNK_BLOCKS, -(-m * job.per // ref.BLOCK_WORDS))
@@ -155,32 +181,6 @@ def _run(jobs: list[_Job], key: Tensor, threads: int) -> None:
         raise errors[0]
 
 
-def _job(grad: Tensor, src: Tensor, out: Tensor, mode: str, params: Tensor, offset: int) -> tuple[_Job, Tensor]:
-    """The job of ``grad`` read from its contiguous form ``src`` into ``out`` (``src`` again in place), and
-    its stats. The factors come from ``grad`` as the reference reads it (a norm's summation order
-    follows the layout)."""
-    g = grad.detach().float()
-    if mode == "rows":
-        scale, stats = ref.rows_scale(g, params)
-        d = max(grad.shape[1], 1)
-    else:
-        scale, stats = ref.matrix_scale(g, params)
-        scale, d = scale.reshape(1), max(grad.numel(), 1)
-    per = ref.words_per_element(grad.dtype)
-    sigma = stats[0]
-    w = sigma if per == 1 else (sigma * ref.INV_SQRT2).float()  # reference.add_noise's weight
-    job = _Job(src.reshape(-1), out.reshape(-1), scale.numpy(), d, np.float32(w.item()), per,
-               offset // ref.BLOCK_WORDS)
-    return job, stats
-
-
-def _fail_closed(job: _Job, stats: Tensor) -> None:
-    """reference._finish: a non-finite input element makes the whole output and the stats NaN."""
-    if job.bad:
-        job.dst_t.fill_(math.nan)
-        stats.fill_(math.nan)
-
-
 def flood(grad: Tensor, mode: str, params: Tensor, key: Tensor, offset: int = 0,
           threads: int | None = None) -> tuple[Tensor, Tensor]:
     """reference.flood with noise from (key, offset): (out, stats), bit for bit."""
@@ -192,9 +192,9 @@ def flood(grad: Tensor, mode: str, params: Tensor, key: Tensor, offset: int = 0,
     with torch_threads(1):
         g = grad.detach().contiguous()
         out = torch.empty_like(g, memory_format=torch.contiguous_format)
-        job, stats = _job(grad, g, out, mode, params, offset)
+        job = _Job(grad, g, out, mode, params, offset)
         _run([job], key, threads)
-        _fail_closed(job, stats)
+        stats = job.finish()
     return out, stats
 
 
@@ -210,16 +210,14 @@ def flood_(grads: list[Tensor], modes: str, params: Tensor, key: Tensor, threads
     offsets = ref.stream_offsets([(g.numel(), g.dtype) for g in grads])
     threads = flood_threads(threads)
     with torch_threads(1):
-        jobs, stats, copies = [], [], []
+        jobs, copies = [], []
         for g, mode, p, offset in zip(grads, mode_list, params, offsets):
             work = g.detach() if g.is_contiguous() else g.detach().contiguous()  # flood a copy, write it back
-            job, st = _job(g, work, work, mode, p, offset)
-            jobs.append(job)
-            stats.append(st)
+            jobs.append(_Job(g, work, work, mode, p, offset))
             copies.append((g, work))
         _run(jobs, key, threads)
-        for job, st in zip(jobs, stats):
-            _fail_closed(job, st)
+        for job in jobs:
+            job.finish()
         for g, work in copies:
             if work.data_ptr() != g.data_ptr():
                 g.copy_(work)
