@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from ..config import AegisConfig
 from ..defence import Batch, LossFn, lm_loss
+from ..exposure import IN_MEMORY, ExposurePolicy
 from ..shield import protect
 from . import secagg_patch
 from .accountant import PrivacyStatement, noise_multiplier, statement
@@ -202,7 +203,8 @@ def required_clipping_range(model: nn.Module, pin: SurvivorPin, config: AegisCon
                             local_steps: int = 1, margin: float = 2.0) -> float:
     """A clipping range for ``SecAggPlusWorkflow`` that covers an update of this model (public
     calibration at its current weights), ``margin`` times the bound the clients check."""
-    shield = protect(_copy(model), None, config or AegisConfig())
+    # the server's copy only calibrates: it masks nothing, so it tracks no exposure
+    shield = protect(_copy(model), None, (config or AegisConfig()).replace(exposure=ExposurePolicy.OFF))
     with noise_share(shield, pin.share) as table:
         return margin * entry_bound([table] * local_steps)
 
@@ -244,8 +246,11 @@ def run_secure_rounds(
     secagg_patch.install()
     n = len(client_batches)
     pins, configs = _per_client(pin, n, "pin"), _per_client(config or AegisConfig(), n, "config")
+    # simulated clients keep their exposure counts for the run, each its own (as separate machines would)
+    configs = [c.replace(exposure_state=IN_MEMORY) if c.exposure_state is None else c for c in configs]
     server_model = _copy(model)
-    protect(server_model, None, configs[0])  # the global arrays: attention frozen, as on clients
+    # the global arrays: attention frozen, as on clients; the server masks nothing and tracks no exposure
+    protect(server_model, None, configs[0].replace(exposure=ExposurePolicy.OFF))
     names = list(trainable_arrays(server_model).keys())
     if reconstruction_threshold is None:
         reconstruction_threshold = max(p.min_survivors for p in pins)
