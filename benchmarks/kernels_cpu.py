@@ -38,9 +38,9 @@ from aegis_kernels import reference as ref
 SEED = 0x5EED_C0DE
 
 
-def cpu_model() -> tuple[str, str]:
-    """(model name from /proc/cpuinfo, short name for the file)."""
-    name, model = platform.processor() or "cpu", ""
+def cpu_model() -> tuple[str, str, list[str]]:
+    """(model name from /proc/cpuinfo, short name for the file, its vector extensions)."""
+    name, model, flags = platform.processor() or "cpu", "", []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
@@ -48,11 +48,13 @@ def cpu_model() -> tuple[str, str]:
                 name = value.strip()
             elif key.strip() == "model" and not model:
                 model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = [f for f in value.split() if f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl")]
     except OSError:
         pass
     short = re.sub(r"\((r|tm)\)|\bcpu\b|\bprocessor\b|@.*", "", name.lower())
     short = re.sub(r"[^a-z0-9]+", "-", short).strip("-") or "cpu"
-    return name, f"{short}-m{model}" if model else short
+    return name, f"{short}-m{model}" if model else short, flags
 
 
 def load() -> float:
@@ -177,7 +179,7 @@ def training_step(name: str, build, threads: int, steps: int, reference_step: bo
 
 def main(out_dir: str, steps: int = 5) -> Path:
     os.environ.setdefault("AEGIS_CACHE_DIR", tempfile.mkdtemp(prefix="aegis-bench-"))  # exposure counts
-    name, short = cpu_model()
+    name, short, flags = cpu_model()
     cores = os.cpu_count() or 1
     print(f"CPU {name} ({cores} logical cores), torch {torch.__version__}, load {load()}", flush=True)
     models = [("embedded decoder", functools.partial(_decoder, 64)),
@@ -191,8 +193,9 @@ def main(out_dir: str, steps: int = 5) -> Path:
     except (ImportError, FileNotFoundError) as exc:
         skipped = f"SmolLM2 skipped: {exc}"
         print(skipped, flush=True)
-    doc: dict = {"cpu": name, "cpu_short": short, "logical_cores": cores, "torch": torch.__version__,
-                 "python": platform.python_version(), "chacha_rounds": ref.ROUNDS, "method": __doc__,
+    doc: dict = {"cpu": name, "cpu_short": short, "cpu_flags": flags, "logical_cores": cores,
+                 "torch": torch.__version__, "python": platform.python_version(), "chacha_rounds": ref.ROUNDS,
+                 "method": __doc__,
                  "note": "shared machine: other engineers' jobs ran beside this one; see load_before / load_after",
                  "skipped": skipped, "flood": [], "steps": []}
     path = Path(out_dir) / f"kernels-cpu-{short}.json"
