@@ -19,7 +19,7 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from aegis import AegisConfig, protect
 from aegis.config import Treatment
 from aegis.fl import secagg_patch
-from aegis.fl.accountant import epsilons, gaussian_epsilon, noise_multiplier, statement
+from aegis.fl.accountant import epsilons, gaussian_epsilon, noise_multiplier, prv_epsilon, statement
 from aegis.fl.secure import REFUSAL, SecureGuard, SurvivorPin, check_quantisation, fitres_content, noise_share
 from aegis.fl.secure_rounds import run_secure_rounds
 from fast_noise import fast_noise  # noqa: F401  (fixture)
@@ -341,13 +341,16 @@ def test_noise_share_scales_sigma_only_and_restores_the_table():
 # -- the accountant ----------------------------------------------------------------------------------
 def test_accountant_matches_the_exact_gaussian_composition_and_known_values():
     for z, k in ((5.0, 1), (5.0, 300), (2.0, 20)):
-        prv, rdp = epsilons(z, k, 1.0, 1e-5)
         exact = gaussian_epsilon(math.sqrt(k) / z, 1e-5)  # K Gaussian mechanisms = one with mu = sqrt(K)/z
-        assert abs(prv - exact) <= 0.02 * exact + 0.01, (z, k, prv, exact)
-        assert rdp >= exact - 1e-9, (z, k, rdp, exact)
-    prv, rdp = epsilons(1.0, 300, 0.01, 1e-5)  # Poisson sampling, the values dp-accounting gives too
-    assert abs(prv - 1.078) <= 0.02 and abs(rdp - 1.451) <= 0.01
-    assert epsilons(math.inf, 10, 1.0, 1e-5) == (0.0, 0.0) and epsilons(0.0, 1, 1.0, 1e-5) == (math.inf, math.inf)
+        assert abs(prv_epsilon(z, k, 1.0, 1e-5) - exact) <= 0.02 * exact + 0.01, (z, k, exact)
+        eps, rdp, method = epsilons(z, k, 1.0, 1e-5)
+        assert (eps, method) == (exact, "exact") and rdp >= exact - 1e-9, (z, k, rdp, exact)
+    eps, rdp, method = epsilons(1.0, 300, 0.01, 1e-5)  # Poisson sampling, the values dp-accounting gives too
+    assert method == "prv" and abs(eps - 1.078) <= 0.02 and abs(rdp - 1.451) <= 0.01
+    tiny = epsilons(1e-3, 4, 1.0, 1e-5)  # where the PRV grid would need > 100 GiB: exact, still finite
+    assert tiny[2] == "exact" and 1e3 < tiny[0] <= tiny[1] < math.inf
+    assert epsilons(math.inf, 10, 1.0, 1e-5)[:2] == (0.0, 0.0) and epsilons(0.0, 1, 1.0, 1e-5)[:2] == (math.inf,
+                                                                                                       math.inf)
 
 
 def test_noise_multiplier_whitens_each_tensor_by_its_noise():
