@@ -25,8 +25,8 @@ def mlp_flooded(lam, rho, seed=0, **kw):
     )
 
 
-@pytest.fixture(scope="module")
-def small():
+@pytest.fixture
+def small():  # one shield per model: every test protects a fresh copy (the same seed)
     torch.manual_seed(0)
     return default_decoder(arch="gpt2", n_layer=2)
 
