@@ -88,7 +88,7 @@ def _cpu_fallback() -> bool:
     if not _WARNED:
         import warnings
 
-        warnings.warn("aegis_kernels: numba is not installed, so CPU floods run the PyTorch reference (10-100x "
+        warnings.warn("aegis_kernels: numba is not installed, so CPU floods run the PyTorch reference (15-25x "
                       "slower); pip install 'aegis-flood[cpu]' for the vectorised CPU flood", stacklevel=3)
         _WARNED = True
     return True
