@@ -211,7 +211,7 @@ class ExposureTracker:
         self._mask: Tensor | None = None  # the attention mask of the model forward in progress
         self._ids_seen = True
         self._paused = 0
-        self._handles = [
+        self.handles = [
             embeddings.register_forward_pre_hook(self._record),
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
             model.register_forward_hook(self._leave),
@@ -315,7 +315,7 @@ class ExposureTracker:
         return max(self.store.counts.values(), default=0)
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in self.handles:
             handle.remove()
 
 

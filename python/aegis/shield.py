@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import warnings
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -108,10 +110,14 @@ class Shield:
         self._grad_arrived = False  # a backward reached a trainable parameter since the last mask_()
         self._exposure: ExposureTracker | None = None
         if config.exposure is not ExposurePolicy.OFF and self._flooded:
-            self._exposure = ExposureTracker(model, config.exposures, self._gradients_dropped, config.exposure_state)
-        self._grad_hooks = [p.param.register_post_accumulate_grad_hook(self._on_gradient)
-                            for p in self.plans if p.trainable and p.treatment.kind != "frozen"]
-        self._optimizer = optimizer
+            self._exposure = ExposureTracker(model, config.exposures, _weakly(self._gradients_dropped),
+                                             config.exposure_state)
+        # The model's hooks hold the shield weakly: a shield nobody holds (and no optimizer hooks) is collected,
+        # its hooks go with it, and the model may be protected again. The optimizer hook holds it strongly.
+        handles = [p.param.register_post_accumulate_grad_hook(_weakly(self._on_gradient))
+                   for p in self.plans if p.trainable and p.treatment.kind != "frozen"]
+        handles += self._exposure.handles if self._exposure is not None else []
+        self._detach = weakref.finalize(self, _remove_all, handles)
         if optimizer is not None:
             _drop_from_optimizer(optimizer, frozen)
             self._hook = optimizer.register_step_pre_hook(lambda *_: self.ensure_masked())
@@ -136,6 +142,31 @@ class Shield:
         else:
             self._params.copy_(table)  # in place: a captured graph reads this address
         self._calibrated_step = self._step
+
+    @contextlib.contextmanager
+    def scaled_table(self, *, sigma: float = 1.0, clip: float = 1.0) -> Iterator[Tensor]:
+        """For the ``mask_()`` calls in the block: the public table with sigma times ``sigma`` and clip and
+        threshold times ``clip`` (a secure-aggregation share floods with sigma / sqrt(t)); restored after.
+        Calibrates first when due, so no recalibration overwrites the scaled table in the block. Yields a copy
+        of the table the floods use."""
+        if self.config.calibration is not Calibration.PUBLIC:
+            raise ValueError("scaled_table() needs AegisConfig(calibration=Calibration.PUBLIC): the batch "
+                             "calibration's sigma depends on the private batch, so no share of it can be sized")
+        if not (sigma >= 0 and clip > 0):
+            raise ValueError(f"scaled_table(sigma={sigma}, clip={clip}): sigma >= 0 and clip > 0")
+        if self._params is None or self._step - self._calibrated_step >= self.config.refresh_every:
+            self.calibrate()
+        table = self._params
+        if table is None:  # nothing flooded
+            yield torch.zeros(0, 4)
+            return
+        saved = table.clone()
+        table[:, 1] *= sigma
+        table[:, 2:] *= clip
+        try:
+            yield table.detach().cpu().clone()
+        finally:
+            table.copy_(saved)
 
     def public_params(self) -> dict[str, tuple[float, float, float, float]]:
         """{name: (rho, sigma, clip, thr)} of every flooded tensor under the public calibration (computed
@@ -426,13 +457,25 @@ class Shield:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        for handle in self._grad_hooks:
-            handle.remove()
-        self._grad_hooks = []
+        self._detach()
         _unregister(self)
-        if self._exposure is not None:
-            self._exposure.remove()
-            self._exposure = None
+        self._exposure = None
+
+
+def _weakly(method: Callable) -> Callable:
+    """``method`` called through a weak reference to its object (None once that is collected)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: object) -> object:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
+
+
+def _remove_all(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _norms(tensors: list[Tensor]) -> Tensor | None:
@@ -469,6 +512,8 @@ def _guard_of(obj: object) -> Shield | None:
 
 
 def _refuse_second_shield(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    if any(_guard_of(obj) is not None for obj in [*model.parameters(), optimizer] if obj is not None):
+        gc.collect()  # a shield nobody holds may still sit in a reference cycle
     for obj, what in [*((p, f"parameter {n}") for n, p in model.named_parameters()), (optimizer, "optimizer")]:
         shield = _guard_of(obj) if obj is not None else None
         if shield is not None:

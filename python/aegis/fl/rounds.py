@@ -20,8 +20,8 @@ from flwr.clientapp import ClientApp
 from torch import Tensor, nn
 
 from ..config import AegisConfig
-from ..exposure import IN_MEMORY, ExposurePolicy
 from ..defence import Aegis, Batch, Defence, LossFn, NoDefence, core_defence, lm_loss
+from ..exposure import IN_MEMORY, ExposurePolicy
 from ..shield import protect
 from .client import AegisMod, ClientTrainer, config_from_run_config, load_arrays, server_round_of, trainable_arrays
 from .simulation import FIRST_NODE_ID, InProcessGrid, flower_log_level, flower_runtime

@@ -37,7 +37,7 @@ from flwr.common import bytes_to_ndarray
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from torch import Tensor, nn
 
-from ..config import AegisConfig, Calibration
+from ..config import AegisConfig
 from ..defence import Batch, LossFn, lm_loss
 from ..shield import Shield, protect
 from . import secagg_patch
@@ -108,31 +108,8 @@ def noise_share(shield: Shield, scale: float) -> Iterator[Tensor]:
     sigma reads the private gradient, so no share of it can be sized in advance)."""
     if not 0.0 <= scale <= 1.0:
         raise ValueError(f"scale={scale}: a noise share is a factor in [0, 1] on the flood's sigma")
-    with scaled_table(shield, sigma=scale) as table:
+    with shield.scaled_table(sigma=scale) as table:
         yield table
-
-
-@contextlib.contextmanager
-def scaled_table(shield: Shield, *, sigma: float = 1.0, clip: float = 1.0) -> Iterator[Tensor]:
-    """The shield's public table with sigma times ``sigma`` and clip and threshold times ``clip``, for
-    the ``mask_()`` calls in the block (restored after; the floods' table is yielded as a copy).
-    Calibrates first when the table is due, so the shield does not recalibrate over it in the block."""
-    if shield.config.calibration is not Calibration.PUBLIC:
-        raise ValueError("secure rounds need AegisConfig(calibration=Calibration.PUBLIC): the batch "
-                         "calibration's sigma depends on the private batch, so no share of it can be sized")
-    if shield._params is None or shield._step - shield._calibrated_step >= shield.config.refresh_every:
-        shield.calibrate()
-    table = shield._params
-    if table is None:  # nothing flooded
-        yield torch.zeros(0, 4)
-        return
-    saved = table.clone()
-    table[:, 1] *= sigma
-    table[:, 2:] *= clip
-    try:
-        yield table.detach().cpu().clone()
-    finally:
-        table.copy_(saved)
 
 
 def entry_bound(tables: Sequence[Tensor]) -> float:

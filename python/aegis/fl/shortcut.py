@@ -22,7 +22,7 @@ from ..config import AegisConfig
 from ..defence import Batch, LossFn, lm_loss
 from ..exposure import ExposurePolicy
 from ..shield import protect
-from .secure import SurvivorPin, scaled_table
+from .secure import SurvivorPin
 
 
 def concat(batches: Sequence[Batch]) -> Batch:
@@ -47,6 +47,6 @@ def shortcut_sum(model: nn.Module, batches: Sequence[Batch], config: AegisConfig
         for p in local.parameters():
             if p.grad is not None:
                 p.grad.mul_(n)
-    with scaled_table(shield, sigma=math.sqrt(n / pin.min_survivors), clip=float(n)):
+    with shield.scaled_table(sigma=math.sqrt(n / pin.min_survivors), clip=float(n)):
         shield.mask_()
     return {k: v.double() for k, v in shield.export().items()}
