@@ -92,6 +92,20 @@ def test_a_second_protect_is_refused_until_the_first_is_removed():
     assert again.export()
 
 
+def test_a_shield_nobody_holds_frees_the_model_and_its_hooks():
+    model = build("gpt2")
+    shield = aegis.protect(model, config=_config())  # no optimizer: only the caller holds it
+    hooks = len(model._forward_pre_hooks)
+    with pytest.raises(ValueError, match="already protected"):
+        aegis.protect(model, config=_config())
+    del shield
+    again = aegis.protect(model, config=_config())
+    assert len(model._forward_pre_hooks) == hooks  # the first shield's hooks went with it
+    loss_of(model).backward()
+    again.mask_()
+    assert again.export()
+
+
 def test_a_copy_of_a_protected_model_may_be_protected():
     import copy
 
