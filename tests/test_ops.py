@@ -74,7 +74,7 @@ def test_fake_checks_mode_and_offset():
 
 
 def test_cpu_ops_are_the_reference():
-    """Registering the CUDA kernels leaves CPU on the reference (noise dispatches on ``device``)."""
+    """The CPU ops equal the reference bit for bit (flood: the numba CPU flood; noise dispatches on ``device``)."""
     for dtype in (torch.float32, torch.float16):
         assert torch.equal(torch.ops.aegis.noise([3, 5], KEY, 16, dtype, CPU), ref.noise((3, 5), KEY, 16, dtype))
     g = torch.randn(7, 8, generator=torch.Generator().manual_seed(1))
