@@ -83,8 +83,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/labels-cpu-encoder.json")
     args = parser.parse_args()
     sizes = {int(b): int(n) for b, n in (item.split(":") for item in args.batches.split(","))}
-    runs = [study(int(seed), sizes) for seed in args.seeds.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    runs = [study(int(seed), sizes) for seed in args.seeds.split(",")]
     result = {
         "what": "the audit's label attack on its encoder (MiniLM, 4-class head) per preset and batch size, each "
         "fresh batch exported K = the preset's exposure budget times and the mean attacked; permutation p-values "
