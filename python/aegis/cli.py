@@ -94,6 +94,10 @@ def _inspect_model(model: str, task: str):
 
         defaults = _AuditDefaults(decoder=model if model in EMBEDDED_DECODERS else None)
         return load_model("encoder" if model == "encoder" else "decoder", defaults, num_labels=len(LABELS))[0]
+    if model == "smollm2":  # the real pretrained LM of the frontier (aegis.smollm2: found or fetched via pip)
+        from aegis.smollm2 import load_smollm2
+
+        return load_smollm2()[0]
     from aegis.loading import build_skeleton, load_config
 
     return build_skeleton(load_config(model), task)
