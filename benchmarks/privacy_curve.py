@@ -60,7 +60,7 @@ TEXT_ATTACKS = {"dager": dager, "embedding_norm": embedding_norm, "mlp_span": ml
 ATTACKS = (*TEXT_ATTACKS, "labels", "fingerprint")
 ROWS = ("token_embedding", "position_embedding", "lm_head", "head", "token_embedding_lora")
 PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(10000)]
-CURVE_PRESETS = (Preset.VERIFICATION, Preset.RECONSTRUCTION)  # the K curves (``paper`` is the lambda curves)
+CURVE_PRESETS = (Preset.VERIFICATION, Preset.SENTENCES)  # the K curves (``paper`` is the lambda curves)
 
 
 def uniform(lam: float, rho: float) -> AegisConfig:

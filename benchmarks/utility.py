@@ -5,7 +5,7 @@
         --out benchmarks/results/utility-h100                                              # one 9-minute call
     python benchmarks/utility.py --device cuda --models decoder --algorithms fedavg \
         --out benchmarks/results/utility-h100 --append                                     # the next one, merged
-    python benchmarks/utility.py --exposure off --fast-noise --defences none,aegis-verification,aegis-reconstruction \
+    python benchmarks/utility.py --exposure off --fast-noise --defences none,aegis-verification,aegis-sentences \
         --out benchmarks/results/utility-cpu-exposure-off     # the presets' noise alone, nothing silenced (CPU)
 
 --exposure off is a measurement, not a private setting: AEGIS exports every batch however often its examples

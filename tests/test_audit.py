@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from aegis.cli import app
-from aegis.config import RECONSTRUCTION_BATCH, Preset
+from aegis.config import SENTENCES_BATCH, Preset
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_quick_audit_meets_the_bar(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     rows = {(r["defence"], r["attack"]): r for r in report["results"]}
     defences = {d for d, _ in rows}
-    assert {"none", "aegis-verification", "aegis-reconstruction", "aegis-paper-batch"} <= defences
+    assert {"none", "aegis-verification", "aegis-sentences", "aegis-paper-batch"} <= defences
     assert any(d.startswith("dp-noise") for d in defences) and any(d.startswith("dp-sgd") for d in defences)
     assert any(d.startswith("prune") for d in defences) and any(d.startswith("soteria") for d in defences)
     assert rows["none", "dager"]["rouge1"] >= 0.90
@@ -109,12 +109,12 @@ def test_quick_audit_meets_the_bar(tmp_path):
     # variant ties every candidate (exactly chance)
     for attack in ("fingerprint_pool", "fingerprint_secret"):
         assert rows["aegis-paper-batch", attack]["score"] >= 0.9
-        for defence in ("aegis-verification", "aegis-reconstruction"):
+        for defence in ("aegis-verification", "aegis-sentences"):
             assert rows[defence, attack]["variants"]["level"] <= 1 / 40 + 0.05
         assert ("none", attack) not in rows  # n/a: no flood level to read
     from aegis.config import AegisConfig
 
-    for defence, preset in (("aegis-verification", "verification"), ("aegis-reconstruction", "reconstruction")):
+    for defence, preset in (("aegis-verification", "verification"), ("aegis-sentences", "sentences")):
         secret = rows[defence, "fingerprint_secret"]
         budget = AegisConfig(preset=preset).exposures  # the preset's promise, read, not hard-coded
         assert secret["exposures"] == budget and secret["refused_after"] == budget, secret
@@ -122,15 +122,15 @@ def test_quick_audit_meets_the_bar(tmp_path):
     assert not verdicts["aegis-paper-batch"]["holds"] and verdicts["aegis-paper-batch"]["promise"] is None
     assert verdicts["aegis-verification"]["promise_kept"] is True
     # the quick audit's batch 2 is below the batch the reconstruction promise is stated for: said, not checked
-    rebuilt = verdicts["aegis-reconstruction"]
-    assert rebuilt["promise_kept"] is None and f"below the batch {RECONSTRUCTION_BATCH}" in rebuilt["promise_note"]
+    rebuilt = verdicts["aegis-sentences"]
+    assert rebuilt["promise_kept"] is None and f"below the batch {SENTENCES_BATCH}" in rebuilt["promise_note"]
     assert rebuilt["text"].startswith("stops reconstruction; a server with candidate texts can verify them")
     ppl = {u["defence"]: u["value"] for u in report["utility"]}
     untrained = {u["defence"]: u["before"] for u in report["utility"]}
     assert ppl["none"] < 0.5 * untrained["none"], ppl  # the undefended run learns in two rounds
     # The presets must not push the model beyond its untrained perplexity (verification caps each row's signal at
     # a few hundredths of its noise, docs/design.md §1.4: two clients over two rounds leave the model there).
-    for defence in ("aegis-verification", "aegis-reconstruction"):
+    for defence in ("aegis-verification", "aegis-sentences"):
         assert ppl[defence] <= 1.05 * untrained[defence], (defence, ppl, untrained)
     assert all(len(line) <= 80 for line in result.stdout.splitlines())
     print(f"quick audit: {elapsed:.0f} s; perplexity {ppl}")

@@ -269,7 +269,7 @@ def test_aegis_defence_exports_the_masked_non_attention_gradient():
     [
         ("none", NoDefence, {}),
         ("aegis", Aegis, {"name": "aegis-verification"}),
-        ("aegis-reconstruction", Aegis, {"name": "aegis-reconstruction"}),
+        ("aegis-sentences", Aegis, {"name": "aegis-sentences"}),
         ("dp-noise-0.001", GaussianNoise, {"sigma": 1e-3, "name": "dp-noise-0.001"}),
         ("dp-noise-1e-2", GaussianNoise, {"sigma": 1e-2}),
         ("prune-99", Pruning, {"fraction": 0.99, "name": "prune-99"}),

@@ -161,7 +161,7 @@ def test_mod_refuses_arrays_changed_after_masking():
 
 def test_mod_refuses_masking_with_a_configuration_other_than_the_run_config():
     paper = lambda msg, ctx: _masked_reply(msg, AegisConfig(preset="verification"))  # noqa: E731
-    reason = _error_reason(AegisMod()(instruction(global_arrays()), context({"aegis-preset": "reconstruction"}), paper))
+    reason = _error_reason(AegisMod()(instruction(global_arrays()), context({"aegis-preset": "sentences"}), paper))
     assert "configuration other than" in reason
 
 
@@ -327,8 +327,8 @@ def test_mod_rejects_a_fixed_seed_at_construction():
 
 def test_config_from_run_config():
     base = AegisConfig(rel_threshold=0.05)
-    cfg = config_from_run_config({"aegis-preset": "reconstruction", "aegis-strict": True, "lr": 0.1}, base)
-    assert (cfg.preset, cfg.strict, cfg.rel_threshold) == (Preset.RECONSTRUCTION, True, 0.05)
+    cfg = config_from_run_config({"aegis-preset": "sentences", "aegis-strict": True, "lr": 0.1}, base)
+    assert (cfg.preset, cfg.strict, cfg.rel_threshold) == (Preset.SENTENCES, True, 0.05)
     assert config_from_run_config({"aegis-rel-threshold": 0.2}).rel_threshold == 0.2
 
 

@@ -286,7 +286,7 @@ def preset_accuracy(encoder, preset: str, size: int, silent: bool) -> float:
 # Every export masks the whole model here (the product path), hence slow; the default selection checks the presets
 # on the head-only exports of the audit's label row (tests/test_labels_audit.py), equal to these for the head.
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["verification", "reconstruction"])
+@pytest.mark.parametrize("preset", ["verification", "sentences"])
 @pytest.mark.parametrize("size", [1, 2, 8])
 def test_presets_keep_the_label_attack_at_chance(encoder, fast_noise, preset, size):
     attacked = preset_accuracy(encoder, preset, size, silent=False)

@@ -138,7 +138,7 @@ def test_head_only_exports_are_the_real_head_gradients(ctx):
     for name in exported:
         torch.testing.assert_close(exported[name], full[name], atol=1e-6, rtol=1e-4)
         torch.testing.assert_close(clean[name], full[name], atol=1e-6, rtol=1e-4)
-    for preset in ("verification", "reconstruction"):
+    for preset in ("verification", "sentences"):
         whole = aegis.protect(copy.deepcopy(ctx.model), config=aegis.AegisConfig(preset=preset)).public_params()
         head_only = aegis.protect(head_client(ctx.model), config=aegis.AegisConfig(preset=preset)).public_params()
         assert set(head_only) <= {"classifier.weight", "classifier.bias"}
@@ -162,7 +162,7 @@ def test_undefended_and_weak_head_flood_leak(ctx):
 
 
 @pytest.mark.filterwarnings("ignore:AegisConfig\\(seed")
-@pytest.mark.parametrize("preset", ["verification", "reconstruction"])
+@pytest.mark.parametrize("preset", ["verification", "sentences"])
 def test_presets_hold_at_b_1(ctx, preset):
     """The row at B = 1 alone (160 exports): no leak (a false failure has probability < ALPHA at chance)."""
     from aegis.audit.options import DefenceSpec
@@ -173,7 +173,7 @@ def test_presets_hold_at_b_1(ctx, preset):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:AegisConfig\\(seed")
-@pytest.mark.parametrize("preset", ["verification", "reconstruction"])
+@pytest.mark.parametrize("preset", ["verification", "sentences"])
 def test_presets_hold_at_b_1_2_8(ctx, preset):
     """The audit's full label row (320 / 160 / 40 exports at B = 1 / 2 / 8): no variant exceeds its chance level
     by more than 0.05, so the row is neither a leak nor suspect."""

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import aegis
-from aegis.config import RECONSTRUCTION_SNR, ROLES, VERIFICATION, AegisConfig
+from aegis.config import ROLES, SENTENCES_SNR, VERIFICATION, AegisConfig
 from aegis.models import default_decoder
 from aegis.policy import LORA_EMBEDDING_ROLE, plan, rows_view
 from families import POLICY_FAMILIES, VOCAB, build
@@ -104,12 +104,12 @@ def test_the_default_decoder_roles_and_what_each_preset_trains():
     assert sum(r == "attention" for r in roles.values()) == 6 * 8
     # reconstruction: every vocabulary- or position-indexed table is frozen (no rows flood: the bag of words stays
     # in), the MLP, norms and biases are matrix floods at its snr
-    trains = {r.name: r for r in aegis.protect(model, config=AegisConfig(preset="reconstruction")).report().rows}
+    trains = {r.name: r for r in aegis.protect(model, config=AegisConfig(preset="sentences")).report().rows}
     assert all(trains[name].action == "frozen" for name in rows)
     assert not [r for r in trains.values() if r.action == "rows flood"]
     matrix = {r.role for r in trains.values() if r.action == "matrix flood"}
     assert matrix == {"mlp", "norm", "bias"}
-    assert {r.snr_cap for r in trains.values() if r.action == "matrix flood"} == {RECONSTRUCTION_SNR}
+    assert {r.snr_cap for r in trains.values() if r.action == "matrix flood"} == {SENTENCES_SNR}
 
 
 def test_a_vocabulary_bias_carries_the_bag_of_next_tokens_and_is_flooded_along_it():

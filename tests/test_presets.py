@@ -11,8 +11,8 @@ from aegis.audit.records import THREATS, AttackRecord, AuditReport, report_from_
 from aegis.baselines import make_defence
 from aegis.cli import app
 from aegis.config import (
-    RECONSTRUCTION_BATCH,
-    RECONSTRUCTION_SNR,
+    SENTENCES_BATCH,
+    SENTENCES_SNR,
     VERIFICATION_MAX_BATCH,
     VERIFICATION_ROWS_SNR,
     AegisConfig,
@@ -33,7 +33,7 @@ VOCABULARY_ROLES = ("token_embedding", "token_embedding_lora", "position_embeddi
 
 
 def test_presets_are_one_enum_and_accept_their_values():
-    assert [p.value for p in Preset] == ["verification", "reconstruction", "paper"]
+    assert [p.value for p in Preset] == ["verification", "sentences", "paper"]
     assert AegisConfig().preset is Preset.VERIFICATION  # the default stops the most
     for preset in Preset:
         assert AegisConfig(preset=preset.value).preset is preset
@@ -42,14 +42,16 @@ def test_presets_are_one_enum_and_accept_their_values():
 
 
 def test_the_utility_preset_is_gone_and_the_error_names_the_replacement():
-    with pytest.raises(ValueError, match=r"preset='utility' was removed: it did not train; use 'reconstruction'"):
+    with pytest.raises(ValueError, match=r"preset='utility' was removed: it did not train; use 'sentences'"):
         AegisConfig(preset="utility")
+    with pytest.raises(ValueError, match=r"preset='reconstruction' was removed: no measured setting both trains"):
+        AegisConfig(preset="reconstruction")
     with pytest.raises(ValueError, match=r"preset='papr' is unknown: use one of \['verification'"):
         AegisConfig(preset="papr")
     with pytest.raises(ValueError, match="was removed"):
         make_defence("aegis-utility")
     assert make_defence("aegis").name == "aegis-verification"
-    assert make_defence("aegis-reconstruction").name == "aegis-reconstruction"
+    assert make_defence("aegis-sentences").name == "aegis-sentences"
 
 
 # -- what each preset does -------------------------------------------------------------------------------------------
@@ -76,45 +78,46 @@ def test_verification_caps_every_rows_flood_and_does_not_train():
         assert t[role].kind == "rows" and t[role].snr == VERIFICATION_ROWS_SNR, role
     assert all(t[role].rho == 0.0 for role in ("mlp", "norm", "bias", "other"))  # pure noise
     promise = Preset.VERIFICATION.promise
-    assert promise.stops == {Threat.VERIFICATION, Threat.RECONSTRUCTION} and not promise.trains
+    assert promise.stops == set(Threat) and not promise.trains
     assert "does not train" in promise.says and "secure aggregation" in promise.says
     assert promise.max_batch == VERIFICATION_MAX_BATCH and AegisConfig(preset="verification").exposures == 4
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_reconstruction_exports_no_vocabulary_indexed_tensor(family):
+def test_sentences_exports_no_vocabulary_indexed_tensor(family):
     """Every family: the token embedding (and a head tied to it), LoRA factors of it, an untied LM head or
     vocabulary bias and the position embedding are frozen (their rows would show the bag of words); only a
-    classifier's label rows are a rows flood, at the verification cap; the rest floods at RECONSTRUCTION_SNR."""
-    plans = plan(build(family), AegisConfig(preset="reconstruction"))
+    classifier's label rows are a rows flood, at the verification cap; the rest floods at SENTENCES_SNR."""
+    plans = plan(build(family), AegisConfig(preset="sentences"))
     for p in plans:
         if p.role in (*VOCABULARY_ROLES, "attention"):
             assert p.treatment.kind == "frozen", p.name
         elif p.role == "head":
             assert p.treatment.kind == "rows" and p.treatment.snr == VERIFICATION_ROWS_SNR, p.name
         else:
-            assert (p.treatment.kind, p.treatment.rho, p.treatment.snr) == ("matrix", 1.0, RECONSTRUCTION_SNR), p.name
+            assert (p.treatment.kind, p.treatment.rho, p.treatment.snr) == ("matrix", 1.0, SENTENCES_SNR), p.name
     assert any(p.treatment.kind == "matrix" for p in plans)  # something trains
 
 
-def test_reconstruction_promise_says_verification_is_not_stopped():
-    promise = Preset.RECONSTRUCTION.promise
-    assert promise.stops == {Threat.RECONSTRUCTION} and promise.trains
-    assert promise.says == "stops reconstruction; a server with candidate texts can verify them"
-    assert promise.min_batch == RECONSTRUCTION_BATCH >= 8 and promise.max_batch is None
-    assert promise.outside(RECONSTRUCTION_BATCH) is None
-    assert "below the batch" in promise.outside(RECONSTRUCTION_BATCH - 1)
+def test_sentences_promise_says_the_bag_of_words_and_verification_are_not_stopped():
+    promise = Preset.SENTENCES.promise
+    assert promise.stops == {Threat.SENTENCES} and promise.trains
+    assert "NOT the bag of words" in promise.says and "verify them" in promise.says
+    assert Preset.VERIFICATION.promise.stops == set(Threat) and not Preset.PAPER.promise.stops
+    assert promise.min_batch == SENTENCES_BATCH >= 8 and promise.max_batch is None
+    assert promise.outside(SENTENCES_BATCH) is None
+    assert "below the batch" in promise.outside(SENTENCES_BATCH - 1)
     assert "above the batch" in Preset.VERIFICATION.promise.outside(VERIFICATION_MAX_BATCH + 1)
 
 
 def test_a_promise_holds_only_for_the_configuration_it_was_made_for():
-    base = AegisConfig(preset="reconstruction")
-    assert base.promise is Preset.RECONSTRUCTION.promise
+    base = AegisConfig(preset="sentences")
+    assert base.promise is Preset.SENTENCES.promise
     assert base.replace(overrides={"mlp": Treatment("frozen")}).promise is None
     assert base.replace(allow_clean=("transformer.ln_f.weight",)).promise is None
     assert base.replace(calibration=Calibration.BATCH).promise is None  # its noise level fingerprints the batch
     assert base.replace(exposure_budget=base.exposures + 1).promise is None
-    assert base.replace(exposure_budget=1).promise is Preset.RECONSTRUCTION.promise
+    assert base.replace(exposure_budget=1).promise is Preset.SENTENCES.promise
     assert AegisConfig(preset=dict(Preset.VERIFICATION.treatments)).promise is None
     assert resolve_defence("aegis-verification").promise is Preset.VERIFICATION.promise
     assert resolve_defence("aegis-paper-batch").promise is None and resolve_defence("prune-90").promise is None
@@ -137,21 +140,21 @@ def test_every_attack_measures_a_threat():
 
 
 def test_verdict_states_and_checks_the_promise():
-    promise = Preset.RECONSTRUCTION.promise
+    promise = Preset.SENTENCES.promise
     verification_leaks = [_record("dager", False), _record("fingerprint_secret", True)]
-    kept = verdicts(verification_leaks, "decoder", "aegis-x", "public", promise, RECONSTRUCTION_BATCH)
+    kept = verdicts(verification_leaks, "decoder", "aegis-x", "public", promise, SENTENCES_BATCH)
     assert not kept.holds and kept.promise_kept is True and kept.breaking == []
-    assert kept.text().startswith(f"{promise.says} — promise kept at batch {RECONSTRUCTION_BATCH}. leaks: ")
+    assert kept.text().startswith(f"{promise.says} — promise kept at batch {SENTENCES_BATCH}. leaks: ")
     assert kept.text().endswith(", as stated")
 
     text_leaks = [_record("dager", True), _record("fingerprint_secret", True)]
-    broken = verdicts(text_leaks, "decoder", "aegis-x", "public", promise, RECONSTRUCTION_BATCH)
+    broken = verdicts(text_leaks, "decoder", "aegis-x", "public", promise, SENTENCES_BATCH)
     assert broken.promise_kept is False and broken.breaking == [_record("dager", True).headline()]
     assert "promise broken by dager ROUGE-1 0.95" in broken.text() and "as stated" not in broken.text()
 
     small = verdicts(text_leaks, "decoder", "aegis-x", "public", promise, 2)
     assert small.promise_kept is None and small.breaking == []
-    assert f"promise not checked (batch 2 is below the batch {RECONSTRUCTION_BATCH}" in small.text()
+    assert f"promise not checked (batch 2 is below the batch {SENTENCES_BATCH}" in small.text()
 
     strict = verdicts(verification_leaks, "decoder", "aegis-x", "public", Preset.VERIFICATION.promise, 4)
     assert strict.promise_kept is False and "fingerprint_secret" in strict.breaking[0]
@@ -170,13 +173,17 @@ def test_verdict_states_and_checks_the_promise():
 
 
 def test_recommend_picks_from_the_promises():
-    rebuilt = recommend("reconstruction", RECONSTRUCTION_BATCH)
-    assert rebuilt.preset is Preset.RECONSTRUCTION and Preset.RECONSTRUCTION.promise.cost in " ".join(rebuilt.why)
-    # below the reconstruction promise's batch, the preset that also stops verification is what covers it,
+    rebuilt = recommend("sentences", SENTENCES_BATCH)
+    assert rebuilt.preset is Preset.SENTENCES and Preset.SENTENCES.promise.cost in " ".join(rebuilt.why)
+    # below the sentences promise's batch, the preset that also stops verification is what covers it,
     # and the recommendation says what training would need
-    small = recommend(Threat.RECONSTRUCTION, RECONSTRUCTION_BATCH - 1)
+    small = recommend(Threat.SENTENCES, SENTENCES_BATCH - 1)
     assert small.preset is Preset.VERIFICATION
-    assert any(f"below the batch {RECONSTRUCTION_BATCH}" in line for line in small.why)
+    assert any(f"below the batch {SENTENCES_BATCH}" in line for line in small.why)
+    # no preset that trains stops reconstruction as a whole: the recommendation says so
+    whole = recommend("reconstruction", SENTENCES_BATCH)
+    assert whole.preset is Preset.VERIFICATION
+    assert any("No preset that trains stops reconstruction; sentences trains" in line for line in whole.why)
     assert recommend("verification", 1).preset is Preset.VERIFICATION
     assert recommend("verification", VERIFICATION_MAX_BATCH + 1).preset is None
     too_often = recommend("verification", 4, exposures=Preset.VERIFICATION.promise.exposures + 1)
@@ -190,10 +197,10 @@ def test_recommend_picks_from_the_promises():
 
 def test_calibrate_command_recommends_without_training():
     runner = CliRunner()
-    out = runner.invoke(app, ["calibrate", "--threat", "reconstruction", "--batch-size", str(RECONSTRUCTION_BATCH)],
+    out = runner.invoke(app, ["calibrate", "--threat", "sentences", "--batch-size", str(SENTENCES_BATCH)],
                         env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    assert "use preset reconstruction" in out.output and Preset.RECONSTRUCTION.promise.says in out.output
+    assert "use preset sentences" in out.output and "stops sentence reconstruction (the words in order" in out.output
     out = runner.invoke(app, ["calibrate", "--threat", "verification", "--batch-size", "4", "--model", "gpt2"],
                         env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
@@ -205,10 +212,10 @@ def test_calibrate_command_recommends_without_training():
 
 
 def test_inspect_says_the_promise():
-    out = CliRunner().invoke(app, ["inspect", "gpt2", "--preset", "reconstruction", "--summary-only"],
+    out = CliRunner().invoke(app, ["inspect", "gpt2", "--preset", "sentences", "--summary-only"],
                              env={"COLUMNS": "300"})
     assert out.exit_code == 0, out.output
-    assert f"preset reconstruction: {Preset.RECONSTRUCTION.promise.says}" in out.output
+    assert f"preset sentences: {Preset.SENTENCES.promise.says}" in out.output
     out = CliRunner().invoke(app, ["inspect", "gpt2", "--preset", "utility"])
     assert out.exit_code == 2 and "was removed" in out.output
 

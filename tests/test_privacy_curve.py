@@ -28,16 +28,16 @@ def test_points_assemble_into_curves_and_a_figure(curve, tmp_path):
     lams, ks = [0.0, 1.0], [1, 4]
     keys = list(curve.plan(lams, ks))
     assert keys == ["rho 0.0 lam 0.0", "rho 0.0 lam 1.0", "rho 0.3 lam 0.0", "rho 0.3 lam 1.0",
-                    "verification K=1", "verification K=4", "reconstruction K=1", "reconstruction K=4"]
-    assert curve.plan(lams, ks)["reconstruction K=4"][1] == 4
-    assert curve.plan(lams, ks)["reconstruction K=4"][0].preset is Preset.RECONSTRUCTION
+                    "verification K=1", "verification K=4", "sentences K=1", "sentences K=4"]
+    assert curve.plan(lams, ks)["sentences K=4"][1] == 4
+    assert curve.plan(lams, ks)["sentences K=4"][0].preset is Preset.SENTENCES
     points = {key: {a: {"score": i / 10, "null": 0.0} for a in curve.ATTACKS} for i, key in enumerate(keys)}
     budgets = {p.value: p.promise.exposures for p in curve.CURVE_PRESETS}
     result = {"rhos": [0.0, 0.3], "lams": lams, "exposures": ks, "budgets": budgets,
               **curve.curves(points, lams, ks),
               "decoder": "d", "batch_size": 1, "sentences": 1, "label_batches": 1, "candidates": 10, "trials": 2}
     assert result["lam_curves"]["0.3"]["spectral"]["score"] == [0.2, 0.3]
-    assert result["exposure_curves"]["reconstruction"]["fingerprint"]["score"] == [0.6, 0.7]
+    assert result["exposure_curves"]["sentences"]["fingerprint"]["score"] == [0.6, 0.7]
     path = tmp_path / "curve.png"
     curve.plot(json.loads(json.dumps(result)), path)
     assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"

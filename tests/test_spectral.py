@@ -75,13 +75,13 @@ def test_paper_preset_is_at_the_null_level(small, fast_noise):  # noqa: F811
 
 def test_reconstruction_preset_is_read_below_its_stated_batch(small, fast_noise):  # noqa: F811
     """One short sentence is below the batch the reconstruction promise is stated for: its MLP floods (snr
-    RECONSTRUCTION_SNR per tensor) carry the sentence's span, and the attack reads it. This is why the promise
-    starts at RECONSTRUCTION_BATCH sequences per export."""
-    from aegis.config import RECONSTRUCTION_BATCH, Preset
+    SENTENCES_SNR per tensor) carry the sentence's span, and the attack reads it. This is why the promise
+    starts at SENTENCES_BATCH sequences per export."""
+    from aegis.config import SENTENCES_BATCH, Preset
 
     model, tok = small
-    config = aegis.AegisConfig(preset=Preset.RECONSTRUCTION, seed=0)
-    assert config.promise.outside(len(SHORT)) and len(SHORT) < RECONSTRUCTION_BATCH
+    config = aegis.AegisConfig(preset=Preset.SENTENCES, seed=0)
+    assert config.promise.outside(len(SHORT)) and len(SHORT) < SENTENCES_BATCH
     shield = aegis.protect(model, config=config)
     grads = shared_gradient(model, SHORT, tok, shield=shield)
     assert any(n.startswith(tuple(f"{m}." for _, m in mlp_weights(model))) for n in grads)  # the MLP is exported

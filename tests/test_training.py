@@ -2,7 +2,7 @@
 
 ``verification``: a single client learns almost nothing from its own masked gradients: each row's signal is
 capped at a few hundredths of its noise (``Treatment.snr``). Federated averaging over N clients divides the
-noise by sqrt(N). ``reconstruction``: the MLP, norms and biases carry RECONSTRUCTION_SNR times the per-entry
+noise by sqrt(N). ``reconstruction``: the MLP, norms and biases carry SENTENCES_SNR times the per-entry
 noise per tensor, so one client alone trains.
 """
 import pytest
@@ -86,8 +86,8 @@ def test_one_client_alone_learns_almost_nothing_under_verification():
 def test_one_client_alone_trains_under_reconstruction():
     """The preset that promises training: one client on its own masked gradients, attention and the
     (tied) token embedding frozen, learns the sentences."""
-    assert Preset.RECONSTRUCTION.promise.trains
-    losses = _federated_losses(clients=1, preset="reconstruction")
+    assert Preset.SENTENCES.promise.trains
+    losses = _federated_losses(clients=1, preset="sentences")
     print("reconstruction preset, 1 client:", [round(x, 3) for x in losses])
     assert sum(losses[-5:]) / 5 < 0.9 * losses[0], losses
 

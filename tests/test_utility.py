@@ -124,7 +124,7 @@ def test_the_shield_counts_the_steps_it_silences(tok, fast_noise):
 
 
 # The preset that trains, at an exposure budget of one export per example (set here, not read from the promise).
-BUDGET_ONE = AegisConfig(preset=Preset.RECONSTRUCTION, exposure_budget=1)
+BUDGET_ONE = AegisConfig(preset=Preset.SENTENCES, exposure_budget=1)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +211,7 @@ def test_exposure_setting_is_recorded_checked_and_merged_apart():
 # -- results, figures, page ---------------------------------------------------------------------------------------
 
 
-def _result(defences=("none", "aegis-reconstruction"), ppl=(100.0, 104.0), settings=None):
+def _result(defences=("none", "aegis-sentences"), ppl=(100.0, 104.0), settings=None):
     runs = []
     for d, value in zip(defences, ppl):
         runs.append({
@@ -235,21 +235,21 @@ def _result(defences=("none", "aegis-reconstruction"), ppl=(100.0, 104.0), setti
 
 def test_summary_applies_the_bar():
     rows = {s["defence"]: s for s in _result(ppl=(100.0, 104.0))["summary"]}
-    assert rows["aegis-reconstruction"]["meets_utility"] and rows["aegis-reconstruction"]["meets_privacy"]
-    assert rows["aegis-reconstruction"]["meets_both"] and not rows["none"]["meets_privacy"]
-    assert rows["aegis-reconstruction"]["ratio"] == pytest.approx(1.04)
+    assert rows["aegis-sentences"]["meets_utility"] and rows["aegis-sentences"]["meets_privacy"]
+    assert rows["aegis-sentences"]["meets_both"] and not rows["none"]["meets_privacy"]
+    assert rows["aegis-sentences"]["ratio"] == pytest.approx(1.04)
     worse = {s["defence"]: s for s in _result(ppl=(100.0, 106.0))["summary"]}
-    assert not worse["aegis-reconstruction"]["meets_utility"]
+    assert not worse["aegis-sentences"]["meets_utility"]
     line = _result(ppl=(100.0, 106.0))["statements"][0]
-    assert "meets it: none" in line and "aegis-reconstruction (utility 1.06x undefended)" in line
+    assert "meets it: none" in line and "aegis-sentences (utility 1.06x undefended)" in line
 
 
 def test_merge_replaces_runs_and_refuses_other_settings():
     old = _result()
-    new = _result(defences=("aegis-reconstruction",), ppl=(120.0,))
+    new = _result(defences=("aegis-sentences",), ppl=(120.0,))
     merged = merge(old, new)
     assert [(r["defence"], r["final"]["perplexity"]) for r in merged["runs"]] == [("none", 100.0),
-                                                                                ("aegis-reconstruction", 120.0)]
+                                                                                ("aegis-sentences", 120.0)]
     other = _result(settings=UtilityConfig(rounds=4, clients=2).as_dict())
     with pytest.raises(ValueError, match="rounds"):
         merge(old, other)

@@ -29,7 +29,7 @@ def test_candidate_sets_of_any_size(bench):
 
 def test_settings_cover_presets_budgets_and_leaky_controls(bench):
     chosen = bench.settings()
-    assert {p.value for p in bench.PRESETS} == {"verification", "reconstruction"}  # ``paper`` promises nothing
+    assert {p.value for p in bench.PRESETS} == {"verification", "sentences"}  # ``paper`` promises nothing
     for preset in bench.PRESETS:
         budget = preset.promise.exposures
         assert chosen[f"{preset.value} K=1"][1] == 1 and chosen[f"{preset.value} K=1"][0].preset is preset

@@ -14,7 +14,7 @@ The interface, :class:`NoDefence`, :class:`Aegis` and :func:`lm_loss` are re-exp
 The baselines (``make_defence`` parses their names, e.g. ``"dp-noise-0.01"``, ``"prune-90"``):
 
 * :class:`NoDefence` ("none") — the plain gradient.
-* :class:`Aegis` ("aegis", "aegis-reconstruction") — :func:`aegis.protect`: attention frozen, flood, masked export.
+* :class:`Aegis` ("aegis", "aegis-sentences") — :func:`aegis.protect`: attention frozen, flood, masked export.
 * :class:`GaussianNoise` ("dp-noise-σ") — DAGER's noise defence: ``g + σ·N(0, 1)`` on every gradient
   element, σ ∈ {1e-3, 1e-2, 1e-1} in the comparison (no clipping, so no (ε, δ) guarantee).
 * :class:`DPSGD` ("dp-sgd", "dp-sgd-C1-z1") — Opacus DP-SGD: per-sample gradients (Opacus hooks),
@@ -412,7 +412,7 @@ _SPEC = re.compile(r"^(?P<kind>[a-z-]+?)(?:-(?P<args>[0-9.e+-].*))?$")
 
 
 def make_defence(spec: str) -> Defence:
-    """A defence from its name: "none", "aegis", "aegis-reconstruction", "dp-noise-0.01", "prune-90",
+    """A defence from its name: "none", "aegis", "aegis-sentences", "dp-noise-0.01", "prune-90",
     "soteria-80" (or "soteria"), "dp-sgd" or "dp-sgd-C1-z1" (C = clipping norm, z = noise multiplier)."""
     spec = spec.strip().lower()
     core = core_defence(spec)
@@ -435,7 +435,7 @@ def make_defence(spec: str) -> Defence:
         except ValueError as err:
             raise ValueError(f"defence {spec!r}: {err}") from err
     raise ValueError(
-        f"unknown defence {spec!r}: use none, aegis[-verification|-reconstruction|-paper], dp-noise-SIGMA, "
+        f"unknown defence {spec!r}: use none, aegis[-verification|-sentences|-paper], dp-noise-SIGMA, "
         "prune-PERCENT, soteria[-PERCENT], dp-sgd[-cC-zZ]"
     )
 

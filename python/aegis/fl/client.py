@@ -66,7 +66,7 @@ PROOF_FIELDS = ("masked", "digest")
 def config_from_run_config(run_config: Mapping, base: AegisConfig | None = None) -> AegisConfig:
     """``base`` with the ``aegis-*`` keys of a Flower run_config applied.
 
-    Keys: ``aegis-preset`` (a :class:`~aegis.config.Preset` value: "verification", "reconstruction",
+    Keys: ``aegis-preset`` (a :class:`~aegis.config.Preset` value: "verification", "sentences",
     "paper"), ``aegis-rel-threshold`` (float), ``aegis-strict`` (bool).
     Raises on ``aegis-seed`` (a seed the server knows lets it subtract the noise) and on unknown
     ``aegis-*`` keys (a typo must not silently fall back to defaults).

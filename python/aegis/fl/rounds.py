@@ -76,7 +76,7 @@ def run_rounds(
 
     model:           the initial global model (copied for the server and every client; left untouched).
     client_batches:  ``client_batches[c]`` is client c's private batches; round r uses batch (r-1) mod len.
-    defence:         ``None``/"none", an AEGIS spec ("aegis", "aegis-reconstruction") or ``AegisConfig`` — clients
+    defence:         ``None``/"none", an AEGIS spec ("aegis", "aegis-sentences") or ``AegisConfig`` — clients
                      then run under AegisMod, configured from ``run_config`` — or a baseline spec for
                      :func:`aegis.baselines.make_defence` ("prune-90", ...) or a factory ``() -> Defence``
                      (called once per client, so per-client state such as DP accounting stays separate).

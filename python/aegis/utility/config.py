@@ -26,7 +26,7 @@ from ..exposure import ExposurePolicy
 
 MODELS = ("decoder", "encoder")
 ATTACKS = ("dager", "embedding_norm", "mlp_span", "spectral", "tag", "labels", "fingerprint_pool")
-DEFENCES = ("none", "aegis-verification", "aegis-reconstruction", "dp-sgd", "prune-90", "soteria-80")
+DEFENCES = ("none", "aegis-verification", "aegis-sentences", "dp-sgd", "prune-90", "soteria-80")
 DEFENCE_CHOICES = (*DEFENCES, "aegis-paper")  # the paper's formulas: a reproduction, not a default
 GPU_ROUNDS = 300
 MAX_CLIENTS = 64
