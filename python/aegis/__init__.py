@@ -1,5 +1,5 @@
 """AEGIS: Attention-Embedding Gradient Isolation Shield for federated fine-tuning of language models."""
-from . import calibration
+from . import calibration, exposure
 from .config import PRESETS, ROLES, AegisConfig, Calibration, Preset, Promise, Threat, Treatment
 from .exposure import ExposurePolicy
 from .shield import CoverageReport, Shield, protect
@@ -18,5 +18,6 @@ __all__ = [
     "CoverageReport",
     "protect",
     "calibration",
+    "exposure",
 ]
 __version__ = "0.1.0"
