@@ -21,6 +21,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from aegis.audit.options import ATTACKS, DEFAULT_ATTACKS, DEFENCES, EMBEDDED_DECODERS, MODELS, QUICK_DEFENCES
 from aegis.config import preset_from
+from aegis_kernels.cpu import default_threads
 
 # `aegis inspect decoder|encoder|decoder-random`: the audit's own models
 AUDIT_MODELS = ("decoder", "encoder", *EMBEDDED_DECODERS)
@@ -307,7 +308,7 @@ def audit(
     import torch
 
     if threads is None:
-        threads = _default_threads()
+        threads = default_threads()
         if threads < torch.get_num_threads():
             click.echo(
                 f"note: the cores are busy (load {os.getloadavg()[0]:.1f}): 1 torch thread (--threads N to choose)",
@@ -315,21 +316,6 @@ def audit(
             )
     torch.set_num_threads(threads)
     _run(config, data, folder, console, debug)
-
-
-def _default_threads() -> int:
-    """One intra-op thread per core on an idle machine; 1 when other processes already keep the cores
-    busy: every parallel region waits for its slowest thread, and a thread that loses its core to
-    another process stalls the region (on 2 shared cores the audit ran about 10x slower with 2 threads
-    than with 1)."""
-    import torch
-
-    cores = torch.get_num_threads()
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return cores
-    return 1 if load >= 0.75 else cores
 
 
 def _run(config, data, folder, console: Console, debug: bool) -> None:
@@ -434,7 +420,7 @@ def utility(
     if device == "cpu":
         import torch
 
-        torch.set_num_threads(_default_threads())
+        torch.set_num_threads(default_threads())
     console = Console()
     try:
         result, paths = study(config, device, out, append=append, say=lambda line: click.echo(line, err=True))
@@ -504,7 +490,7 @@ def calibrate(
     if device == "cpu":
         import torch
 
-        torch.set_num_threads(_default_threads())
+        torch.set_num_threads(default_threads())
     result = run_calibration(cands, model, rounds=rounds, clients=clients, batch_size=batch_size, trials=trials,
                              n=candidates, exposures=exposures, device=device,
                              say=lambda line: click.echo(line, err=True))
