@@ -181,7 +181,7 @@ def test_mod_forgetting_to_mask_fails_closed():
         ({"aegis-seed": 1}, "aegis-seed"),
         ({"aegis-presett": "reconstruction"}, "unknown run_config key"),
         ({"aegis-preset": "strongest"}, "preset"),
-        ({"aegis-preset": "utility"}, "was removed: it did not train; use 'reconstruction'"),
+        ({"aegis-preset": "utility"}, "was removed: it did not train; use 'sentences'"),
         ({"aegis-strict": "yes"}, "boolean"),
     ],
 )
