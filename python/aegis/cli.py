@@ -149,7 +149,8 @@ def inspect(
         skeleton = _inspect_model(model, task)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            shield = aegis.protect(skeleton, config=aegis.AegisConfig(preset=chosen, calibration=calibration))
+            config = aegis.AegisConfig(preset=chosen, calibration=calibration, exposure_state=aegis.exposure.IN_MEMORY)
+            shield = aegis.protect(skeleton, config=config)  # a look at the plan: nothing is exported
     except ValueError as err:
         hint = "" if model in AUDIT_MODELS else f" (the audit's own models: {', '.join(map(repr, AUDIT_MODELS))})"
         raise _fail(" ".join(str(err).split()) + hint) from None
