@@ -121,10 +121,10 @@ def test_quick_audit_meets_the_bar(tmp_path):
     verdicts = {v["defence"]: v for v in report["verdicts"]}
     assert not verdicts["aegis-paper-batch"]["holds"] and verdicts["aegis-paper-batch"]["promise"] is None
     assert verdicts["aegis-verification"]["promise_kept"] is True
-    # the quick audit's batch 2 is below the batch the reconstruction promise is stated for: said, not checked
+    # the quick audit's batch 2 is below the batch the sentences promise is stated for: said, not checked
     rebuilt = verdicts["aegis-sentences"]
     assert rebuilt["promise_kept"] is None and f"below the batch {SENTENCES_BATCH}" in rebuilt["promise_note"]
-    assert rebuilt["text"].startswith("stops reconstruction; a server with candidate texts can verify them")
+    assert rebuilt["text"].startswith("stops sentence reconstruction (the words in order")
     ppl = {u["defence"]: u["value"] for u in report["utility"]}
     untrained = {u["defence"]: u["before"] for u in report["utility"]}
     assert ppl["none"] < 0.5 * untrained["none"], ppl  # the undefended run learns in two rounds
