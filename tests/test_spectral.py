@@ -52,6 +52,18 @@ def test_undefended(small):
     assert rouge(spectral(model, grads, tok, 1), SHORT)["rouge1"] >= 0.9
 
 
+def test_undefended_exact_path_above_half_rank():
+    """An exact gradient whose rank exceeds half a projection's short side (a GQA key projection of 32 rows
+    holding 29 tokens) has a non-zero median singular value: it is still exact, and spectral reads it as
+    DAGER does."""
+    torch.manual_seed(0)
+    model, tok = default_decoder(arch="llama", n_layer=2, n_embd=128, n_head=4, n_kv_head=1)
+    texts = [e.text for e in load_corpus("train")[:2]]
+    assert sum(len(tok(t)["input_ids"]) for t in texts) > 16  # more tokens than half of k_proj's 32 rows
+    grads = shared_gradient(model, texts, tok)
+    assert rouge(spectral(model, grads, tok, 2), texts)["rouge1"] >= 0.9
+
+
 def test_weak_mlp_flood(small, fast_noise):  # noqa: F811
     """MLP matrix flood lam 1, rho 0.3 (attention frozen as in the paper preset): read through the edge."""
     model, tok = small

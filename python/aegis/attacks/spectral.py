@@ -182,9 +182,13 @@ class _Capture:
 
 
 def _is_exact(mat: Tensor) -> bool:
+    """No noise bulk: the smallest singular value at roundoff (a rank-deficient exact gradient, whatever its
+    rank: the median test alone misses ranks above half the short side, e.g. a GQA key projection), or the
+    median-law noise estimate negligible against the top singular value."""
     s = torch.linalg.svdvals(mat)
     m, n = mat.shape
-    return noise_level(mat) * (math.sqrt(m) + math.sqrt(n)) < _EXACT * float(s[0])
+    top = float(s[0])
+    return float(s[-1]) < _EXACT * top or noise_level(mat) * (math.sqrt(m) + math.sqrt(n)) < _EXACT * top
 
 
 def spectral(
