@@ -79,7 +79,7 @@ class SerialisingGrid(InProcessGrid):
         replies = []
         for reply in super().pull_messages(message_ids):
             data = message_to_proto(reply).SerializeToString()
-            self.wire.append((reply.metadata.src_node_id, _stage(reply), data))
+            self.wire.append((reply.metadata.src_node_id, reply_stage(reply), data))
             replies.append(_round_trip(reply))
         return replies
 
@@ -88,7 +88,7 @@ def _round_trip(msg: Message) -> Message:
     return message_from_proto(message_to_proto(msg))
 
 
-def _stage(msg: Message) -> str:
+def reply_stage(msg: Message) -> str:
     if msg.has_error():
         return "error"
     configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)

@@ -15,6 +15,7 @@ from flwr.serverapp import Grid, ServerApp
 from ..exposure import ExposurePolicy
 from ..shield import protect
 from .client import config_from_run_config, load_arrays, trainable_arrays
+from .secure_app import is_secure, server_main
 from .strategy import FedSGD
 from .task import decoder, settings, validation_batches, validation_loss
 
@@ -25,7 +26,13 @@ server_app = app  # the name ``aegis.fl.app`` has always exported
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """FedSGD on the trainable (non-attention) parameters; validation loss/perplexity after every round,
-    also written to ``context.state["evaluation"]`` (lists indexed by round, round 0 = initial model)."""
+    also written to ``context.state["evaluation"]`` (lists indexed by round, round 0 = initial model).
+    With ``secure = true`` in the run config: secure rounds over SecAgg+ (:func:`aegis.fl.secure_app.server_main`)."""
+    if is_secure(context.run_config):
+        return server_main(grid, context)
+    if context.run_config.get("aggregation", "fedsgd") != "fedsgd":
+        raise ValueError(f"run config 'aggregation' = {context.run_config['aggregation']!r}: the plain app runs "
+                         "FedSGD only; set secure = true for FedAvg")
     s = settings(context.run_config)
     model, tok = decoder(s)
     # the server exports nothing: no exposure budget to keep

@@ -129,13 +129,15 @@ def flower_log_level(level: int | None) -> Iterator[None]:
 
 
 def simulate(num_supernodes: int = 2, run_config: Mapping[str, Any] | None = None, *,
-             quiet: bool = True) -> tuple[Context, InProcessGrid]:
+             node_config: Mapping[str, Any] | None = None, quiet: bool = True) -> tuple[Context, InProcessGrid]:
     """Run ``server_app`` with ``num_supernodes`` copies of ``client_app`` in this process (no Ray).
 
-    What ``flwr run`` does with a simulation federation, minus the transport. Returns the server's
+    What ``flwr run`` does with a simulation federation, minus the transport. ``node_config`` adds keys
+    to every node's config (e.g. ``aegis-min-survivors`` for secure rounds). Returns the server's
     Context (``state["evaluation"]`` holds the validation curve) and the grid (every delivered reply).
     """
     from .client_app import app as client_app
+    from .secure_app import is_secure
     from .server_app import app as server_app
     from .task import DEFAULT_RUN_CONFIG
 
@@ -143,12 +145,18 @@ def simulate(num_supernodes: int = 2, run_config: Mapping[str, Any] | None = Non
     nodes = [FIRST_NODE_ID + i for i in range(num_supernodes)]
     contexts = {
         node: Context(
-            run_id=0, node_id=node, node_config={"partition-id": i, "num-partitions": num_supernodes},
+            run_id=0, node_id=node, node_config={"partition-id": i, "num-partitions": num_supernodes,
+                                                 **(node_config or {})},
             state=RecordDict(), run_config=config,
         )
         for i, node in enumerate(nodes)
     }
-    grid = InProcessGrid({node: client_app for node in nodes}, contexts)
+    grid_type = InProcessGrid
+    if is_secure(config):  # secaggplus_mod edits the record the workflow shares between nodes: serialise
+        from .secure_rounds import SerialisingGrid
+
+        grid_type = SerialisingGrid
+    grid = grid_type({node: client_app for node in nodes}, contexts)
     server_context = Context(run_id=0, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(),
                              run_config=config)
     with flower_runtime(), flower_log_level(logging.ERROR if quiet else None):
