@@ -1,0 +1,205 @@
+"""Secure rounds as the Flower app (aegis.fl.secure_app): in process, on Flower's simulation runtime
+(`flwr run`, Ray) and on the deployment engine (SuperLink + SuperNodes, TLS, node authentication).
+
+Each side records what it saw under $AEGIS_FL_RECORD_DIR (aegis.fl.secure_record): the server's masked
+vectors before unmasking and its unmasked sum, each client's own plain update. The checks: the sum is
+the survivors' sum to quantisation, every masked vector is uniform mod the modulus (a plain quantised
+update lies in [0, quantization_range], 2^-10 of it), and the cipher masks were installed.
+"""
+import importlib
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+
+from aegis.fl import secagg_patch
+from aegis.fl.secure import REFUSAL as GUARD_REFUSAL
+from aegis.fl.secure import SurvivorPin
+from aegis.fl.secure_app import PIN_ENV, node_pin, secure_settings
+from aegis.fl.secure_record import RECORD_ENV
+from aegis.fl.simulation import flower_runtime, simulate
+
+README = Path(__file__).resolve().parents[1] / "python" / "aegis" / "fl" / "README.md"
+TINY = {"model-layers": 1, "model-width": 32, "model-heads": 2}  # the app's decoder, random, small
+BIN = os.path.dirname(sys.executable)
+
+
+def check_round(record: Path, server_round: int) -> list[int]:
+    """The server's sum of the round equals the survivors' plain updates to quantisation, and what it
+    received per node is uniform mod the modulus. Returns the survivors (nodes whose masked vector arrived)."""
+    setup = json.loads((record / "setup.json").read_text())
+    assert setup["patched"] is True  # the ServerApp's process unmasked with the cipher masks
+    survivors = sorted(json.loads((record / f"round{server_round}-collect_masked_vectors.json").read_text())["ok"])
+    c, q, m = setup["clipping_range"], setup["quantization_range"], setup["modulus_range"]
+    sums = np.load(record / f"round{server_round}-sum.npz")
+    updates = [np.load(record / f"client-node{n}-round{server_round}.npz") for n in survivors]
+    n = len(survivors)
+    # each client's stochastic rounding moves an entry by less than one step 2c/q; the dequantised mean
+    # then passes through fp32 (relative 2^-23 of the shifted range n c)
+    tolerance = n * 2 * c / q + n * c * 2**-22
+    moved = 0.0
+    for i, name in enumerate(setup["names"]):
+        want = sum(u[f"arr_{i}"] for u in updates)
+        assert float(np.abs(sums[name] - want).max()) <= tolerance, name
+        moved = max(moved, float(np.abs(want).max()))
+    assert moved > 100 * tolerance  # the check has teeth: the sum is far from zero at this tolerance
+    for node in survivors:
+        masked = np.load(record / f"round{server_round}-masked-node{node}.npy")
+        assert masked.min() >= 0 and masked.max() < m
+        # uniform on [0, m): mean within 6 sd of m/2, and the share of entries in the quantised update's
+        # range [0, q] within 6 sd of q/m (a plain update would have all of them there)
+        assert abs(masked.mean() - m / 2) <= 6 * m / math.sqrt(12 * masked.size), node
+        p = (q + 1) / m
+        assert np.mean(masked <= q) <= p + 6 * math.sqrt(p * (1 - p) / masked.size), node
+    return survivors
+
+
+# -- in process: the app's code path ------------------------------------------------------------------
+def test_secure_apps_mask_with_the_cipher_and_the_sum_is_the_clients(tmp_path, monkeypatch):
+    calls = []
+    masks = secagg_patch.cipher_masks
+
+    def counting(seed, num_range, dimensions_list):
+        calls.append(len(seed))
+        return masks(seed, num_range, dimensions_list)
+
+    secagg_patch.install()  # as tests/test_secure_fl.py: a spy stands in for the installed generator
+    for name in ("flwr.common.secure_aggregation.secaggplus_utils", "flwr.client.mod.secure_aggregation.secaggplus_mod",
+                 "flwr.server.workflow.secure_aggregation.secaggplus_workflow"):
+        monkeypatch.setattr(importlib.import_module(name), "pseudo_rand_gen", counting)
+    monkeypatch.setattr(secagg_patch, "cipher_masks", counting)
+    monkeypatch.setenv(RECORD_ENV, str(tmp_path / "record"))
+    monkeypatch.delenv(PIN_ENV, raising=False)
+    context, _ = simulate(4, {"secure": True, "min-survivors": 3, "num-server-rounds": 1, **TINY},
+                          node_config={"aegis-min-survivors": 3})
+    assert list(context.state["secure"]["survivors"]) == [4]
+    assert len(context.state["evaluation"]["validation-loss"]) == 2  # round 0 and round 1
+    # each client masks with its private seed (32 bytes) and 3 pairwise keys; the server removes 4 masks
+    assert len(calls) == 4 * (1 + 3) + 4 and set(calls) == {32, 44}
+    assert check_round(tmp_path / "record", 1) == [1000, 1001, 1002, 1003]
+
+
+def test_an_unpinned_node_refuses_a_secure_run(monkeypatch):
+    monkeypatch.delenv(PIN_ENV, raising=False)
+    context, grid = simulate(3, {"secure": True, "min-survivors": 2, "num-server-rounds": 1, **TINY})
+    assert list(context.state["secure"]["survivors"]) == [0]
+    replies = [d.reply for d in grid.deliveries]
+    assert replies and all(r.has_error() for r in replies)  # refused at setup: not even a public key
+
+
+def test_a_pinned_node_answers_no_plain_round(monkeypatch):
+    from aegis.fl.client_app import app
+
+    monkeypatch.delenv(PIN_ENV, raising=False)
+    secagg_patch.install()
+    with flower_runtime():
+        plain = Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), 1000, MessageType.TRAIN)
+    run_config = {**TINY}  # the server does not ask for a secure round ...
+    ctx = Context(run_id=0, node_id=1000, node_config={"aegis-min-survivors": 3}, state=RecordDict(),
+                  run_config=run_config)
+    reply = app(plain, ctx)  # ... but this node pins its survivors: SecAgg+ or nothing
+    assert reply.has_error() and reply.error.reason == GUARD_REFUSAL
+
+
+def test_the_pin_is_the_nodes_own(monkeypatch):
+    monkeypatch.delenv(PIN_ENV, raising=False)
+
+    def ctx(node_config, run_config=None):
+        return Context(run_id=0, node_id=1, node_config=node_config, state=RecordDict(), run_config=run_config or {})
+
+    # the run config (the server's) never sets it
+    assert node_pin(ctx({}, {"min-survivors": 5, "aegis-min-survivors": 5})) is None
+    assert node_pin(ctx({"aegis-min-survivors": 4, "aegis-peers": "7, 8 9,10"})) == SurvivorPin(4, frozenset({7, 8, 9, 10}))
+    monkeypatch.setenv(PIN_ENV, "3")
+    assert node_pin(ctx({})) == SurvivorPin(3)
+    assert node_pin(ctx({"aegis-min-survivors": 5})) == SurvivorPin(5)  # node config first
+    with pytest.raises(ValueError, match="aegis-min-survivors = 'x'"):
+        node_pin(ctx({"aegis-min-survivors": "x"}))
+    with pytest.raises(ValueError, match="at least 2 survivors"):
+        node_pin(ctx({"aegis-min-survivors": 1}))
+
+
+@pytest.mark.parametrize("run_config, named", [
+    ({"aggregation": "fedprox"}, "'aggregation' = 'fedprox'"),
+    ({"min-survivors": 1}, "'min-survivors' = 1"),
+    ({"local-steps": 0}, "'local-steps' = 0"),
+    ({"min-nodes": 2, "min-survivors": 3}, "'min-nodes' = 2 is below 'min-survivors' = 3"),
+    ({"secagg-timeout": 0}, "'secagg-timeout' = 0"),
+])
+def test_secure_settings_name_the_key_and_the_fix(run_config, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        secure_settings(run_config)
+
+
+# -- flwr run: simulation runtime and deployment engine ---------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _project(tmp_path: Path) -> Path:
+    """The README's app project (the same components run plain and secure rounds)."""
+    project = tmp_path / "app"
+    project.mkdir()
+    (project / "pyproject.toml").write_text(re.search(r"```toml\n(.*?)```", README.read_text(), re.S).group(1))
+    (project / "LICENSE").write_text("Apache-2.0\n")
+    return project
+
+
+def _env(tmp_path: Path, **extra) -> dict:
+    home = tmp_path / "flwr-home"
+    home.mkdir(exist_ok=True)
+    return {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "PATH": BIN + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1",
+            RECORD_ENV: str(tmp_path / "record"), **extra}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGKILL a process we started and the processes it started (its own session)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _run_config(aggregation: str, rounds: int, survivors: int, nodes: int, timeout: int) -> str:
+    return (f'secure=true aggregation="{aggregation}" min-survivors={survivors} min-nodes={nodes} '
+            f"num-server-rounds={rounds} local-steps=2 lr=0.05 secagg-timeout={timeout} "
+            + " ".join(f"{k}={v}" for k, v in TINY.items()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("aggregation", ["fedsgd", "fedavg"])
+def test_secure_rounds_on_the_simulation_runtime(tmp_path, aggregation):
+    """`flwr run` of the README's project on a simulation SuperLink (Ray); the nodes' pin comes from
+    their own environment (the simulation's SuperNodes are processes of the SuperLink's host)."""
+    pytest.importorskip("ray")
+    port, project = _free_port(), _project(tmp_path)
+    env = _env(tmp_path, **{PIN_ENV: "3"})
+    (Path(env["FLWR_HOME"]) / "config.toml").write_text(
+        f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+    superlink = subprocess.Popen(
+        [f"{BIN}/flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        run = subprocess.run(
+            [f"{BIN}/flwr", "run", str(project), "test", "--stream", "--run-config",
+             _run_config(aggregation, 2, 3, 4, 120), "--federation-config", "num-supernodes=4"],
+            env=env, capture_output=True, text=True, timeout=500)
+    finally:
+        _stop(superlink)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-3000:]
+    for r in (1, 2):
+        assert f"aegis secure round {r}: 4 survivors" in log, log[-3000:]
+        assert len(check_round(tmp_path / "record", r)) == 4
