@@ -119,7 +119,8 @@ def test_the_pin_is_the_nodes_own(monkeypatch):
 
     # the run config (the server's) never sets it
     assert node_pin(ctx({}, {"min-survivors": 5, "aegis-min-survivors": 5})) is None
-    assert node_pin(ctx({"aegis-min-survivors": 4, "aegis-peers": "7, 8 9,10"})) == SurvivorPin(4, frozenset({7, 8, 9, 10}))
+    pinned = node_pin(ctx({"aegis-min-survivors": 4, "aegis-peers": "7, 8 9,10"}))
+    assert pinned == SurvivorPin(4, frozenset({7, 8, 9, 10}))
     monkeypatch.setenv(PIN_ENV, "3")
     assert node_pin(ctx({})) == SurvivorPin(3)
     assert node_pin(ctx({"aegis-min-survivors": 5})) == SurvivorPin(5)  # node config first
@@ -174,7 +175,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _run_config(aggregation: str, rounds: int, survivors: int, nodes: int, timeout: int) -> str:
     return (f'secure=true aggregation="{aggregation}" min-survivors={survivors} min-nodes={nodes} '
-            f"num-server-rounds={rounds} local-steps=2 lr=0.05 secagg-timeout={timeout} "
+            f"num-server-rounds={rounds} local-steps=2 lr=0.05 secagg-timeout={float(timeout)} "
             + " ".join(f"{k}={v}" for k, v in TINY.items()))
 
 
@@ -203,3 +204,133 @@ def test_secure_rounds_on_the_simulation_runtime(tmp_path, aggregation):
     for r in (1, 2):
         assert f"aegis secure round {r}: 4 survivors" in log, log[-3000:]
         assert len(check_round(tmp_path / "record", r)) == 4
+
+
+def _tls(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for 127.0.0.1 / localhost signed by it (ca.crt, server.pem, server.key)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def certificate(subject, issuer, key, signer, ca, san=None):
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san is not None:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "aegis test CA")])
+    ca = certificate(ca_name, ca_name, ca_key, ca_key, True)
+    server = certificate(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]), ca_name, server_key,
+                         ca_key, False, [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    paths = directory / "ca.crt", directory / "server.pem", directory / "server.key"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    return paths
+
+
+def _node_key(directory: Path, name: str) -> tuple[Path, Path]:
+    """A SuperNode's authentication key pair (P-384, OpenSSH format, as Flower's node authentication reads)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    private, public = directory / name, directory / f"{name}.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                          serialization.NoEncryption()))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                     serialization.PublicFormat.OpenSSH))
+    return private, public
+
+
+def _wait_for(condition, timeout: float, what: str, procs=()) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for proc in procs:
+            assert proc.poll() is None, f"{proc.args[0]} exited with {proc.returncode} while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(0.2)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+def test_secure_rounds_on_the_deployment_engine(tmp_path):
+    """SuperLink + 4 SuperNodes on loopback with TLS and node authentication (CLI-managed: only keys
+    registered with `flwr supernode register` connect), `flwr run`; one SuperNode is killed after the
+    setup stage. The round completes with the 3 survivors, what the server received per node is masked,
+    and its sum is the survivors' sum. A fifth SuperNode with an unregistered key never joins."""
+    nodes, victim, started = 4, 3, time.monotonic()
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    ca, server_cert, server_key = _tls(certs)
+    port, project, env = _free_port(), _project(tmp_path), _env(tmp_path)
+    (Path(env["FLWR_HOME"]) / "config.toml").write_text(
+        f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{port}"\n'
+        f'root-certificates = "{ca}"\n')
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, *args: str) -> subprocess.Popen:
+        with open(logs / f"{name}.log", "wb") as out:
+            proc = subprocess.Popen([f"{BIN}/{args[0]}", *args[1:]], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    try:
+        superlink = start("superlink", "flower-superlink", "--ssl-ca-certfile", str(ca), "--ssl-certfile",
+                          str(server_cert), "--ssl-keyfile", str(server_key), "--enable-supernode-auth",
+                          "--disable-runtime-dependency-installation", "--host", "127.0.0.1", "--port", str(port))
+        _wait_for(lambda: _listening(port), 120, "the SuperLink", [superlink])
+        keys, ids = [_node_key(certs, f"node{i}") for i in range(nodes)], []
+        for _, public in keys:
+            registered = subprocess.run([f"{BIN}/flwr", "supernode", "register", str(public), "test", "--format",
+                                         "json"], env=env, capture_output=True, text=True, timeout=120)
+            found = re.search(r'"node-id":\s*(\d+)', registered.stdout)
+            assert registered.returncode == 0 and found, registered.stdout + registered.stderr
+            ids.append(int(found.group(1)))
+        peers = ",".join(map(str, ids))  # the allow-list: node ids the SuperLink authenticates
+        supernodes = []
+        for i, (private, _) in enumerate(keys):
+            config = f'partition-id={i} num-partitions={nodes} aegis-min-survivors=3 aegis-peers="{peers}"'
+            supernodes.append(start(f"supernode{i}", "flower-supernode", "--root-certificates", str(ca),
+                                    "--superlink", f"127.0.0.1:{port}", "--auth-supernode-private-key", str(private),
+                                    "--port", str(_free_port()), "--node-config", config))
+        intruder_key, _ = _node_key(certs, "intruder")  # never registered
+        intruder = start("intruder", "flower-supernode", "--root-certificates", str(ca), "--superlink",
+                         f"127.0.0.1:{port}", "--auth-supernode-private-key", str(intruder_key), "--port",
+                         str(_free_port()), "--node-config", "partition-id=0 num-partitions=4 aegis-min-survivors=3")
+        flwr_run = start("flwr-run", "flwr", "run", str(project), "test", "--stream", "--run-config",
+                         _run_config("fedsgd", 1, 3, nodes, 60))
+        record = tmp_path / "record"
+        _wait_for(lambda: (record / "round1-setup.json").exists(), 400, "the setup stage", [superlink, flwr_run])
+        _stop(supernodes[victim])  # mid-round: after its public keys, before its masked vector
+        _wait_for(lambda: flwr_run.poll() is not None, 400, "flwr run")
+        log = (logs / "flwr-run.log").read_text()
+        assert flwr_run.returncode == 0, log[-3000:]
+        setup = json.loads((record / "round1-setup.json").read_text())
+        assert sorted(setup["ok"]) == sorted(ids)  # the registered nodes, and only them
+        survivors = check_round(record, 1)
+        assert survivors == sorted(set(ids) - {ids[victim]})
+        assert "aegis secure round 1: 3 survivors" in log, log[-3000:]
+        assert intruder.poll() is not None or "SuperNode ID" not in (logs / "intruder.log").read_text()
+    finally:
+        for proc in procs:
+            _stop(proc)
+    print(f"deployment engine: {time.monotonic() - started:.0f} s")
