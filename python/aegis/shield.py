@@ -17,6 +17,7 @@ import aegis_kernels  # noqa: F401  (registers torch.ops.aegis)
 import aegis_kernels.reference as ref
 from aegis_kernels.cuda_graph import GraphedFlood
 
+from .accounting import DELTA, PrivacyStatement, noise_multiplier, statement
 from .calibration import PublicLoss, public_statistics, synthetic_loss
 from .config import AegisConfig, Calibration
 from .exposure import ExposurePolicy, ExposureTracker
@@ -48,6 +49,18 @@ class CoverageReport:
     max_exposure: int = 0  # the most exports any one fingerprint has had so far
     silenced_steps: int = 0  # steps exported as pure noise (ExposurePolicy.SILENCE past the budget)
     skipped_steps: int = 0  # steps with a non-finite gradient: nothing exported, no optimizer step
+    # z of one export under the public table (aegis.accounting.noise_multiplier, every row of a rows flood
+    # counted): also a secure round's sum at the pin (n >= t shares of sigma / sqrt(t) add to the full flood).
+    # 0 with a clean export (no finite epsilon); None before the first calibration or under BATCH.
+    noise_multiplier: float | None = None
+
+    def privacy(self, delta: float = DELTA) -> PrivacyStatement | None:
+        """(epsilon, delta) per example when each is exported at most ``exposure_budget`` times (a secure
+        round counts one export of the examples in its batch); None where no noise multiplier is public.
+        The budget is enforced unless ``exposure`` is OFF; then the statement covers the budget only."""
+        if self.noise_multiplier is None:
+            return None
+        return statement(self.noise_multiplier, self.exposure_budget, delta=delta)
 
     @property
     def leaks_flood_level(self) -> bool:
@@ -442,8 +455,14 @@ class Shield:
                 )
             )
         seen = self._exposure.max_exposure if self._exposure is not None else 0
+        z = None
+        if any(r.action.startswith("CLEAN") for r in rows):
+            z = 0.0
+        elif snr or not self._flooded:
+            z = noise_multiplier(self.public_params() if self._flooded else {}, {r.name: r.shape for r in rows},
+                                 {p.name: m for p, m in zip(self._flooded, self._modes)})
         return CoverageReport(rows, self.config.calibration, self.config.exposures, self.config.exposure, seen,
-                              self._silenced_steps, self._skipped_steps)
+                              self._silenced_steps, self._skipped_steps, z)
 
     def trainer_callback(self):
         """A ``transformers.TrainerCallback`` that masks right before each optimizer step."""
