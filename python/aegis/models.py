@@ -16,9 +16,13 @@ from __future__ import annotations
 import contextlib
 import enum
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 MINILM_D = 384
 
@@ -32,9 +36,9 @@ def minilm_path() -> Path:
 
 def minilm_tokenizer():
     """The MiniLM WordPiece tokenizer (uncased, vocab 30522), right padding, [CLS]/[SEP] as BOS/EOS."""
-    from transformers import BertTokenizerFast
+    from transformers import AutoTokenizer  # the fast BERT tokenizer (tokenizer.json) in transformers 4 and 5
 
-    tok = BertTokenizerFast.from_pretrained(str(minilm_path()))
+    tok = AutoTokenizer.from_pretrained(str(minilm_path()))
     tok.bos_token, tok.eos_token = tok.cls_token, tok.sep_token
     tok.padding_side = "right"
     return tok
@@ -48,6 +52,15 @@ def _minilm_embeddings() -> dict[str, torch.Tensor]:
         "word": state["embeddings.word_embeddings.weight"],
         "position": state["embeddings.position_embeddings.weight"],
     }
+
+
+class TokenIds(TypedDict):
+    """The tokenizer's vocabulary size and special ids, as config fields of the decoder built for it."""
+
+    vocab_size: int
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
 
 
 class DecoderArch(str, enum.Enum):
@@ -113,7 +126,7 @@ def default_decoder(
         choices = ", ".join(repr(a.value) for a in DecoderArch)
         raise ValueError(f"arch={arch!r}: use one of {choices} (or pass name= for any HF model)") from None
     tok = minilm_tokenizer()
-    ids = dict(
+    ids = TokenIds(
         vocab_size=tok.vocab_size,
         bos_token_id=tok.cls_token_id,
         eos_token_id=tok.sep_token_id,
@@ -130,46 +143,51 @@ def default_decoder(
             )
         return _minilm_causal_lm(ids), tok
     n_layer, n_embd, n_head = n_layer or 4, n_embd or MINILM_D, n_head or 6
-    if arch is DecoderArch.GPT2:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=512, **ids)
-        build = GPT2LMHeadModel
-    else:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        cfg = LlamaConfig(
-            hidden_size=n_embd,
-            intermediate_size=4 * n_embd,
-            num_hidden_layers=n_layer,
-            num_attention_heads=n_head,
-            num_key_value_heads=n_kv_head or n_head,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-            **ids,
-        )
-        build = LlamaForCausalLM
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = build(cfg)
+        model = _random_decoder(arch, n_layer, n_embd, n_head, n_kv_head, ids)
     if n_embd == MINILM_D:
         emb = _minilm_embeddings()
         with torch.no_grad():
-            model.get_input_embeddings().weight.copy_(emb["word"])
+            input_embedding(model).weight.copy_(emb["word"])
             if arch is DecoderArch.GPT2:
-                model.transformer.wpe.weight.copy_(emb["position"])
+                model.get_parameter("transformer.wpe.weight").copy_(emb["position"])
     return model.float().eval(), tok
 
 
-def _minilm_causal_lm(ids: dict[str, int]) -> nn.Module:
-    """MiniLM as ``BertLMHeadModel(is_decoder=True)``, head ``h E^T + b`` (see ``default_decoder``)."""
-    from transformers import BertLMHeadModel
+def _random_decoder(
+    arch: DecoderArch, n_layer: int, n_embd: int, n_head: int, n_kv_head: int | None, ids: TokenIds
+) -> PreTrainedModel:
+    """GPT-2 or LLaMA blocks initialised from the global RNG (``default_decoder`` forks and seeds it)."""
+    if arch is DecoderArch.GPT2:
+        from transformers import GPT2Config, GPT2LMHeadModel
 
+        return GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=512, **ids))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=n_embd,
+        intermediate_size=4 * n_embd,
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv_head or n_head,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _minilm_causal_lm(ids: TokenIds) -> nn.Module:
+    """MiniLM as ``BertLMHeadModel(is_decoder=True)``, head ``h E^T + b`` (see ``default_decoder``)."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    config = BertConfig.from_pretrained(str(minilm_path()))
+    config.update({"is_decoder": True, **ids})
     # from_pretrained initialises the head it does not find with the global RNG: fork it
     with _quiet_loading(), torch.random.fork_rng(devices=[]):
-        model = BertLMHeadModel.from_pretrained(str(minilm_path()), is_decoder=True, **ids)
-    model.cls.predictions.transform = nn.Identity()
+        model = BertLMHeadModel.from_pretrained(str(minilm_path()), config=config)
+    model.set_submodule("cls.predictions.transform", nn.Identity())
     with torch.no_grad():
         model.cls.predictions.bias.zero_()
     return model.float().eval()
@@ -212,8 +230,22 @@ _ENCODER_TYPES = {"bert", "roberta", "distilbert", "deberta", "deberta-v2", "ele
 
 def is_decoder(model: nn.Module) -> bool:
     """True for causal LMs (the default decoder, GPT-2, LLaMA …), False for encoders such as BERT."""
-    cfg = model.config
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise ValueError(f"{type(model).__name__} has no Hugging Face config: pass a transformers model")
     return bool(getattr(cfg, "is_decoder", False)) or cfg.model_type not in _ENCODER_TYPES
+
+
+def input_embedding(model: nn.Module) -> nn.Embedding:
+    """A Hugging Face model's token embedding table (``get_input_embeddings()``)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    table = getter() if callable(getter) else None
+    if not isinstance(table, nn.Embedding):
+        raise ValueError(
+            f"{type(model).__name__} has no token embedding table (get_input_embeddings() returning an "
+            "nn.Embedding): pass a transformers language model or encoder"
+        )
+    return table
 
 
 def attack_settings() -> dict[str, tuple]:
