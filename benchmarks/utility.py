@@ -89,15 +89,15 @@ def config_from(args: argparse.Namespace) -> UtilityConfig:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.redraw:  # e.g. after a call that ran out of time: report.json holds every finished run
-        from aegis.audit.report import ReportWriter
         from aegis.utility.results import refresh
+        from aegis.utility.study import write_outputs
 
         result = previous(Path(args.out))
         if result is None:
             print(f"error: --redraw: no report.json in {args.out}", file=sys.stderr)
             return 2
         refresh(result)
-        print(f"wrote {', '.join(map(str, ReportWriter(Path(args.out)).finish_utility(result)))}")
+        print(f"wrote {', '.join(map(str, write_outputs(result, Path(args.out))))}")
         return 0
     try:
         config = config_from(args)

@@ -19,9 +19,9 @@ from aegis.config import AegisConfig, Preset
 from aegis.data import LABELS, Example, load_corpus
 from aegis.defence import Aegis
 from aegis.exposure import IN_MEMORY, ExposurePolicy
+from aegis.harness.evaluate import evaluator, macro_f1
 from aegis.models import minilm_tokenizer
 from aegis.utility import Algorithm, UtilityConfig
-from aegis.utility.evaluate import evaluator, macro_f1
 from aegis.utility.federation import _round_batches, federate, lr_at
 from aegis.utility.results import merge, statements, summarise
 from aegis.utility.split import BatchStream, dirichlet_split
@@ -256,10 +256,10 @@ def test_merge_replaces_runs_and_refuses_other_settings():
 
 
 def test_figures_and_page_are_written(tmp_path):
-    from aegis.audit.report import ReportWriter
+    from aegis.utility.study import write_outputs
 
     result = _result()
-    paths = ReportWriter(tmp_path).finish_utility(result)
+    paths = write_outputs(result, tmp_path)
     assert [p.name for p in paths] == ["report.json", "learning_curves.png", "frontier.png", "report.html"]
     assert all(p.stat().st_size > 0 for p in paths)
     assert json.loads(paths[0].read_text())["utility"]["runs"][0]["defence"] == "none"
@@ -271,25 +271,25 @@ def test_figures_and_page_are_written(tmp_path):
 
 
 def test_page_says_exposure_off_is_no_private_setting(tmp_path):
-    from aegis.audit.report import ReportWriter
+    from aegis.utility.study import write_outputs
 
     settings = UtilityConfig(rounds=2, clients=2, exposure=ExposurePolicy.OFF, attacks=()).as_dict()
     result = _result(settings=settings)
     result["machine"]["cpu_noise"] = "tests.fast_noise.keyed_normals"
-    page = ReportWriter(tmp_path).finish_utility(result)[3].read_text()
+    page = write_outputs(result, tmp_path)[3].read_text()
     assert "no attacks run." in page and "exports at rounds" not in page
     assert "Exposure budget OFF: a measurement of the noise alone, not a private setting" in page
     assert "tests.fast_noise.keyed_normals (not the ChaCha stream)" in page
 
 
 def test_page_names_the_algorithms_the_study_ran(tmp_path):
-    from aegis.audit.report import ReportWriter
+    from aegis.utility.study import write_outputs
 
     for algorithms, present, absent in ((("fedsgd",), "FedSGD (one step per round)", "FedAvg"),
                                         (("fedavg",), "FedAvg with E = 2 local steps", "FedSGD"),
                                         (("fedsgd", "fedavg"), "FedSGD (one step per round) and FedAvg", None)):
         settings = UtilityConfig(rounds=2, clients=2, local_steps=2, algorithms=algorithms).as_dict()
-        page = ReportWriter(tmp_path / "_".join(algorithms)).finish_utility(_result(settings=settings))[3].read_text()
+        page = write_outputs(_result(settings=settings), tmp_path / "_".join(algorithms))[3].read_text()
         assert present in page and (absent is None or absent not in page.split("clients (Dirichlet")[1][:400])
 
 

@@ -11,7 +11,8 @@ Every comparator is a :class:`Defence` (:mod:`aegis.defence`: attach, backward, 
 The interface, :class:`NoDefence`, :class:`Aegis` and :func:`lm_loss` are re-exported from
 :mod:`aegis.defence`; the product path (``aegis.fl``, the shield) never imports this module.
 
-The baselines (``make_defence`` parses their names, e.g. ``"dp-noise-0.01"``, ``"prune-90"``):
+The baselines (``make_defence`` builds them from the names :mod:`aegis.registry` parses, e.g.
+``"dp-noise-0.01"``, ``"prune-90"``):
 
 * :class:`NoDefence` ("none") — the plain gradient.
 * :class:`Aegis` ("aegis", "aegis-sentences") — :func:`aegis.protect`: attention frozen, flood, masked export.
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import re
 import secrets
 import warnings
 from collections.abc import Mapping
@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from .config import AegisConfig
 from .defence import Aegis, Batch, Defence, LossFn, NoDefence, core_defence, lm_loss, trainable_gradients
+from .registry import DefenceKind, DefenceSpec, parse_defence
 
 __all__ = [
     "DPSGD", "DP_NOISE_SIGMAS", "PRUNING_FRACTIONS", "Aegis", "Batch", "Defence", "GaussianNoise", "LossFn",
@@ -408,36 +409,23 @@ def _register_bert_head(register) -> None:
     register(BertLMPredictionHead)(lambda layer, activations, backprops: {})
 
 
-_SPEC = re.compile(r"^(?P<kind>[a-z-]+?)(?:-(?P<args>[0-9.e+-].*))?$")
-
-
-def make_defence(spec: str) -> Defence:
-    """A defence from its name: "none", "aegis", "aegis-sentences", "dp-noise-0.01", "prune-90",
-    "soteria-80" (or "soteria"), "dp-sgd" or "dp-sgd-C1-z1" (C = clipping norm, z = noise multiplier)."""
-    spec = spec.strip().lower()
-    core = core_defence(spec)
+def make_defence(spec: str | DefenceSpec) -> Defence:
+    """A defence from its name (:func:`aegis.registry.parse_defence`): "none", "aegis", "aegis-sentences",
+    "dp-noise-0.01", "prune-90", "soteria-80" (or "soteria"), "dp-sgd" or "dp-sgd-C1-z1" (C = clipping
+    norm, z = noise multiplier). A name of no defence raises :class:`~aegis.errors.UsageError`."""
+    parsed = parse_defence(spec) if isinstance(spec, str) else spec
+    core = core_defence(parsed)
     if core is not None:
         return core
-    if spec.startswith("dp-sgd"):
-        match = re.fullmatch(r"dp-sgd(?:-c(?P<c>[0-9.e+-]+)-z(?P<z>[0-9.e+-]+))?", spec)
-        if match:
-            return DPSGD(float(match["c"] or 1.0), float(match["z"] or 1.0))
-    match = _SPEC.match(spec)
-    if match:
-        kind, args = match["kind"], match["args"]
-        try:
-            if kind == "dp-noise" and args:
-                return GaussianNoise(float(args))
-            if kind == "prune" and args:
-                return Pruning(float(args) / 100)
-            if kind == "soteria":
-                return Soteria(float(args) / 100 if args else 0.8)
-        except ValueError as err:
-            raise ValueError(f"defence {spec!r}: {err}") from err
-    raise ValueError(
-        f"unknown defence {spec!r}: use none, aegis[-verification|-sentences|-paper], dp-noise-SIGMA, "
-        "prune-PERCENT, soteria[-PERCENT], dp-sgd[-cC-zZ]"
-    )
+    if parsed.kind is DefenceKind.DP_NOISE and parsed.sigma is not None:
+        return GaussianNoise(parsed.sigma)
+    if parsed.kind is DefenceKind.PRUNE and parsed.share is not None:
+        return Pruning(parsed.share)
+    if parsed.kind is DefenceKind.SOTERIA and parsed.share is not None:
+        return Soteria(parsed.share)
+    if parsed.kind is DefenceKind.DP_SGD and parsed.max_grad_norm is not None and parsed.noise_multiplier is not None:
+        return DPSGD(parsed.max_grad_norm, parsed.noise_multiplier)
+    raise AssertionError(f"{parsed}: a spec parse_defence cannot produce")
 
 
 def default_baselines() -> list[Defence]:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import AegisConfig, Preset
+from .registry import DefenceKind, DefenceSpec, parse_defence
 from .shield import Shield, protect
 
 Batch = Mapping[str, Any]
@@ -141,14 +142,13 @@ class Aegis(Defence):
             self.shield.remove()
 
 
-def core_defence(spec: str) -> Defence | None:
-    """The defence a product name stands for: "none" (or "undefended"), "aegis" (the default preset),
-    "aegis-PRESET" (a :class:`Preset` value); None for any other name (a comparator:
-    :func:`aegis.baselines.make_defence` parses those)."""
-    spec = spec.strip().lower()
-    if spec in ("none", "undefended"):
+def core_defence(spec: str | DefenceSpec) -> Defence | None:
+    """The product's defence a name stands for (:func:`aegis.registry.parse_defence`: ``none``, ``aegis``,
+    ``aegis-PRESET[-batch]``); None for a comparator (:func:`aegis.baselines.make_defence` builds those).
+    A name of no defence raises :class:`~aegis.errors.UsageError`."""
+    parsed = parse_defence(spec) if isinstance(spec, str) else spec
+    if parsed.kind is DefenceKind.NONE:
         return NoDefence()
-    if spec == "aegis" or spec.startswith("aegis-"):
-        preset = spec.partition("-")[2]
-        return Aegis(AegisConfig(preset=preset) if preset else AegisConfig())
+    if parsed.aegis is not None:
+        return Aegis(parsed.aegis)
     return None

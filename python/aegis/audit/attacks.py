@@ -22,94 +22,22 @@ Encoder candidates carry their true labels: the attacker is given the labels, an
 
 from __future__ import annotations
 
-import copy
 import random
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 
 from ..data import Example
-from .options import TEXT_ATTACKS, AuditConfig, DefenceSpec
+from ..defence import Aegis
+from ..registry import DefenceSpec
+from .attack_base import COST, AuditAttack, ModelContext, Target, server_copy
+from .label_attack import LabelAttack
+from .loss_attack import LossOracle
+from .options import TEXT_ATTACKS
 from .records import AttackRecord, NullBaseline, Reconstruction, rank_sum_p
 
 MAX_TOKENS = 60  # prediction tokens kept per reconstruction (the rest is counted)
-# Rough cost of one unit of work in seconds on 2 quiet cores (the quick audit's decoder): progress
-# advances by these, so the ETA is about right from the start.
-COST = {
-    "text": 1.5,
-    "label": 0.3,
-    "candidate": 0.12,
-    "trial": 1.5,
-    "null": 1.5,
-    "round": 1.0,
-    "masked": 1.2,
-    "oracle": 0.01,
-    "export": 0.01,  # one fresh head export of the label attack
-}
 SECRET_TEMPLATE = "my pin is {}"
-
-
-@dataclass
-class Target:
-    """One shared gradient as the server received it, with the ground truth it is scored against."""
-
-    server_round: int
-    client: int
-    grads: dict[str, Tensor]
-    batch: dict[str, Tensor]  # the client's batch (never sent)
-    examples: list[Example]
-    references: list[str]  # the batch's sentences as the tokenizer sees them (decoded, truncated)
-    metrics: dict[str, float] = field(default_factory=dict)  # the reply's MetricRecord, as received
-
-
-@dataclass
-class ModelContext:
-    """One model of the audit: its initial state, tokenizer, data and the one batch builder."""
-
-    kind: str  # "decoder" or "encoder"
-    model: nn.Module  # the initial global model (round 1 starts here); never trained in place
-    tokenizer: object
-    config: AuditConfig
-    build: Callable[[Sequence[Example]], dict[str, Tensor]]  # THE batch builder (clients, eval, candidates)
-    label_ids: dict[str, int]
-    decoys: list[Example]  # sentences no client trains on: the fingerprint's decoy batches
-
-    @property
-    def alignment(self) -> str:
-        return "greedy" if self.kind == "decoder" else "hungarian"
-
-    def references(self, batch: dict[str, Tensor]) -> list[str]:
-        return [
-            self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-            for ids, mask in zip(batch["input_ids"], batch["attention_mask"])
-        ]
-
-    def clean_gradient(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The undefended gradient of ``batch`` on the initial model (eval mode, as the clients)."""
-        model = self.model
-        was = model.training
-        model.eval()
-        model.zero_grad(set_to_none=True)
-        try:
-            model(**batch).loss.backward()
-            return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        finally:
-            model.zero_grad(set_to_none=True)
-            model.train(was)
-
-
-def server_copy(model: nn.Module, state: dict[str, Tensor] | None = None) -> nn.Module:
-    """The server's copy of a round's global model (what the attacker holds)."""
-    server = copy.deepcopy(model)
-    if state:
-        with torch.no_grad():
-            params = dict(server.named_parameters())
-            for name, value in state.items():
-                params[name].copy_(value)
-    return server.eval()
 
 
 # -- scoring -------------------------------------------------------------------------------------------------------
@@ -169,34 +97,6 @@ def reconstruction_rows(
 
 
 # -- the attacks ---------------------------------------------------------------------------------------------------
-
-
-class AuditAttack:
-    name = ""
-    metric = "rouge1"
-
-    def applies(self, kind: str, defence: DefenceSpec) -> bool:
-        return True
-
-    def null(self, ctx: ModelContext, first: Target) -> NullBaseline:
-        raise NotImplementedError
-
-    def run(
-        self,
-        ctx: ModelContext,
-        defence: DefenceSpec,
-        targets: list[Target],
-        models: list[nn.Module],
-        null: NullBaseline,
-        tick: Callable[[float], None],
-    ) -> tuple[AttackRecord, list[Reconstruction]]:
-        raise NotImplementedError
-
-    unit = "text"
-
-    def units(self, config: AuditConfig, targets: int) -> float:
-        """The (rough) cost this attack takes per defence: what its ticks add up to."""
-        return targets * COST[self.unit]
 
 
 class TextAttack(AuditAttack):
@@ -373,8 +273,6 @@ class FingerprintSecret(_Fingerprint):
         return config.secret_trials * COST["trial"] + config.candidates * COST["candidate"]
 
     def run(self, ctx, defence, targets, models, null, tick):
-        from ..baselines import Aegis
-
         cfg = ctx.config
         rng = random.Random(cfg.seed)
         values = [f"{v:04d}" for v in rng.sample(range(10000), cfg.candidates)]
@@ -433,11 +331,7 @@ def make(name: str) -> AuditAttack:
     if name in TEXT_ATTACKS:
         return TextAttack(name)
     if name == "loss_oracle":
-        from .loss_attack import LossOracle
-
         return LossOracle()
     if name == "labels":
-        from .label_attack import LabelAttack
-
         return LabelAttack()
     return {"fingerprint_pool": FingerprintPool, "fingerprint_secret": FingerprintSecret}[name]()

@@ -55,11 +55,12 @@ from ..attacks.labels import (
     label_null,
     label_test,
 )
+from ..baselines import make_defence
 from ..data import Example
 from ..defence import Aegis, Defence, NoDefence
 from ..exposure import ExposurePolicy
-from .attacks import COST, AuditAttack, ModelContext
-from .options import DefenceSpec
+from ..registry import DefenceKind, DefenceSpec
+from .attack_base import COST, AuditAttack, ModelContext
 from .records import ALPHA, MARGIN, AttackRecord, NullBaseline
 
 # batch size -> fresh batches per defence: one batch's accuracy has a standard deviation of ~0.43 / 0.26 / 0.12
@@ -120,12 +121,10 @@ def head_defence(defence: DefenceSpec) -> tuple[Defence, str, bool]:
         # the head-only client runs no token through the model, so an exposure tracker has nothing to count
         # (and would write its state at every export): the K exports per batch are set by the caller
         return Aegis(dataclasses.replace(defence.aegis, exposure=ExposurePolicy.OFF)), "", False
-    from ..baselines import DPSGD, Soteria, make_defence
-
-    made = make_defence(defence.name)
-    if isinstance(made, Soteria):
+    if defence.kind is DefenceKind.SOTERIA:
         return NoDefence(), "soteria prunes the first MLP layer's gradient only: the head's passes unchanged", False
-    if isinstance(made, DPSGD):
+    made = make_defence(defence)
+    if defence.kind is DefenceKind.DP_SGD:
         return made, "DP-SGD clipped on the head's per-example norm alone: an upper bound of the head's signal", True
     return made, "", False
 

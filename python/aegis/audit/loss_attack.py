@@ -14,7 +14,7 @@ import random
 import time
 
 from ..attacks.loss_oracle import batch_losses, rank_by_loss, reported_loss
-from .attacks import COST, AuditAttack, ModelContext, Target
+from .attack_base import COST, AuditAttack, ModelContext, Target
 from .records import AttackRecord, NullBaseline, rank_sum_p
 
 

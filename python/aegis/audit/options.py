@@ -7,14 +7,14 @@ fix. The CLI turns it into ``error: ...`` and exit code 2.
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..config import AegisConfig, Calibration, Promise
+from ..errors import UsageError
 from ..exposure import IN_MEMORY
 from ..models import DecoderArch
+from ..registry import DefenceSpec, parse_defence
 
 MODELS = ("decoder", "encoder")
 # --model names of the embedded decoders other than the default (MiniLM's pretrained layers run causally)
@@ -57,18 +57,9 @@ QUICK_DEFENCES = (
     "prune-90",
     "soteria-80",
 )
-DEFENCE_FORMS = "aegis-PRESET[-batch], dp-noise-SIGMA, dp-sgd-CC-zZ, prune-PERCENT, soteria-PERCENT"
 MAX_BATCH = 64
 MAX_CLIENTS = 64
 MAX_ROUNDS = 100
-
-
-class UsageError(ValueError):
-    """Bad input: a one-line message naming the option and the fix (exit code 2)."""
-
-    def __init__(self, option: str, message: str) -> None:
-        self.option = option
-        super().__init__(f"{option}: {message}" if option else message)
 
 
 @dataclass(frozen=True)
@@ -133,52 +124,10 @@ def _check_names(option: str, values: tuple[str, ...], allowed: tuple[str, ...])
         raise UsageError(option, f"{', '.join(twice)} named twice; name each once")
 
 
-@dataclass(frozen=True)
-class DefenceSpec:
-    """A defence name resolved without building anything heavy: AEGIS (its config) or a baseline spec."""
-
-    name: str
-    aegis: AegisConfig | None = None
-
-    @property
-    def run_as(self):
-        """What ``aegis.fl.run_rounds(defence=...)`` takes."""
-        return self.aegis if self.aegis is not None else self.name
-
-    @property
-    def calibration(self) -> str | None:
-        return None if self.aegis is None else self.aegis.calibration.value
-
-    @property
-    def promise(self) -> Promise | None:
-        """What the preset promises to stop (the verdict checks it); None for baselines and custom settings."""
-        return None if self.aegis is None else self.aegis.promise
-
-
-_AEGIS = re.compile(r"^aegis(?:-(?P<preset>[a-z]+?))?(?P<batch>-batch)?$")
-
-
 def resolve_defence(name: str) -> DefenceSpec:
-    """``aegis-PRESET`` (public calibration; ``aegis`` alone: the default preset), ``aegis-PRESET-batch`` (the
-    paper's batch calibration) or a baseline name :func:`aegis.baselines.make_defence` parses."""
-    match = _AEGIS.match(name)
-    if match:
-        calibration = Calibration.BATCH if match["batch"] else Calibration.PUBLIC
-        try:
-            preset = {"preset": match["preset"]} if match["preset"] else {}
-            # simulated clients: their exposure counts live for the run, never in the user's cache
-            return DefenceSpec(name, AegisConfig(**preset, calibration=calibration, exposure_state=IN_MEMORY))
-        except ValueError as err:
-            raise UsageError("--defences", f"{name!r}: {err}") from None
-    from ..baselines import make_defence
-
-    try:
-        make_defence(name)
-    except ValueError:
-        raise UsageError(
-            "--defences", f"unknown {name!r}; choose from {', '.join(DEFENCES)} (or the forms {DEFENCE_FORMS})"
-        ) from None
-    return DefenceSpec(name)
+    """A ``--defences`` name (:func:`aegis.registry.parse_defence`); AEGIS clients are simulated, so their
+    exposure counts live for the run, never in the user's cache."""
+    return parse_defence(name, "--defences").with_aegis(exposure_state=IN_MEMORY)
 
 
 def check_config(config: AuditConfig) -> None:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config import Promise, Threat
+from ..harness.output import clean
 
 # An attack "leaks" when its score exceeds its null baseline by more than MARGIN (and the floor): the
 # paper's 0.05 bar for ROUGE-1, and "chance + 0.05" for the 1-of-N and label attacks (issues 13, 14).
@@ -280,17 +281,6 @@ def verdicts(
     )
 
 
-def _clean(value: Any) -> Any:
-    """JSON has no NaN/inf: None for those."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
-
-
 @dataclass
 class AuditReport:
     """Everything the audit produced so far (it grows defence by defence; ``complete`` at the end)."""
@@ -324,7 +314,7 @@ class AuditReport:
                 out.append(row)
             return out
 
-        return _clean(
+        return clean(
             {
                 "complete": self.complete,
                 "meta": self.meta,

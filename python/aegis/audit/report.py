@@ -1,20 +1,19 @@
 """The audit's outputs: report.json (rewritten after every defence), a privacy/utility PNG and an HTML page.
 
-:class:`ReportWriter` owns the output folder: each save writes ``report.json`` atomically (temporary
-file, then rename); if the folder stops being writable mid-run, the writer moves to a fresh temporary
-folder and says where, so what finished is never lost.
+:class:`ReportWriter` owns the output folder (:class:`aegis.harness.output.OutputFolder`: atomic writes,
+and a fresh temporary folder it names if the requested one stops being writable), so what finished is
+never lost.
 """
 
 from __future__ import annotations
 
-import html
-import json
 import math
-import os
-import tempfile
 from pathlib import Path
-from typing import Any
 
+from ..harness.output import OutputFolder, write_json
+from ..harness.style import CSS, dodge, shift
+from ..harness.style import escape as _e
+from ..harness.style import number_cell as _num
 from .records import FLOOR, MARGIN, AttackRecord, AuditReport
 
 BROKEN_ATTACK = FLOOR  # ROUGE-1 at or below this: the attack recovers nothing usable (the paper's bar)
@@ -24,65 +23,26 @@ TEXT_METRIC = "rouge1"
 # -- report.json ---------------------------------------------------------------------------------------------------
 
 
-def write_json(report: AuditReport | dict[str, Any], path: Path) -> None:
-    data = report.to_json() if isinstance(report, AuditReport) else report
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
-class ReportWriter:
-    """Writes the report into ``folder``; falls back to a temporary folder when ``folder`` fails."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = Path(folder)
-        self.failure: str | None = None  # why the requested folder failed, if it did
-
-    def _fallback(self, err: OSError) -> None:
-        if self.failure is None:
-            self.failure = f"{self.folder}: {err.strerror or type(err).__name__}"
-            self.folder = Path(tempfile.mkdtemp(prefix="aegis-report-"))
-
-    def _write(self, write) -> Path:
-        for _ in range(2):
-            try:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                return write(self.folder)
-            except OSError as err:
-                if self.failure is not None:
-                    raise
-                self._fallback(err)
-        raise AssertionError("unreachable")
+class ReportWriter(OutputFolder):
+    """Writes the audit's report into ``folder`` (or, when that fails, a temporary folder it names)."""
 
     def save(self, report: AuditReport) -> Path:
-        return self._write(lambda folder: (write_json(report, folder / "report.json"), folder / "report.json")[1])
+        def write(folder: Path) -> Path:
+            write_json(report.to_json(), folder / "report.json")
+            return folder / "report.json"
+
+        return self.write(write)
 
     def finish(self, report: AuditReport) -> list[Path]:
         """report.json, privacy_utility.png and report.html."""
 
         def write(folder: Path) -> list[Path]:
-            write_json(report, folder / "report.json")
+            write_json(report.to_json(), folder / "report.json")
             plot(report, folder / "privacy_utility.png")
             write_html(report, folder / "report.html", plot_name="privacy_utility.png")
             return [folder / "report.json", folder / "privacy_utility.png", folder / "report.html"]
 
-        return self._write(write)
-
-    def finish_utility(self, result: dict[str, Any]) -> list[Path]:
-        """A utility study (``aegis.utility``): report.json (its data under "utility"), learning_curves.png,
-        frontier.png and report.html."""
-        from ..utility import plots
-        from ..utility.page import utility_html
-        from ..utility.results import write as write_result
-
-        def write(folder: Path) -> list[Path]:
-            write_result({"utility": result}, folder / "report.json")
-            plots.learning_curves(result, folder / "learning_curves.png")
-            plots.frontier(result, folder / "frontier.png")
-            (folder / "report.html").write_text(utility_html(result, "learning_curves.png", "frontier.png"))
-            return [folder / name for name in ("report.json", "learning_curves.png", "frontier.png", "report.html")]
-
-        return self._write(write)
+        return self.write(write)
 
 
 # -- helpers -------------------------------------------------------------------------------------------------------
@@ -136,34 +96,6 @@ PALETTE = (
 MARKERS = ("o", "*", "P", "X", "s", "D", "^", "v", "<", ">", "h", "p", "8", "d", "H")
 
 
-def _dodge(points: list[tuple[float, float]], log_x: bool, span: tuple[float, float]) -> list[float]:
-    """Horizontal offsets (a share of the axis width; y stays exact, so no point crosses a threshold line)
-    so that markers at (nearly) the same place sit side by side instead of on top of each other."""
-
-    def pos(x: float) -> float:
-        return math.log10(max(x, 1e-12)) if log_x else x
-
-    width = max(pos(span[1]) - pos(span[0]), 1e-9)
-    offsets = [0.0] * len(points)
-    for i, (x, y) in enumerate(points):
-        while any(
-            abs(pos(x) + offsets[i] * width - pos(points[j][0]) - offsets[j] * width) < 0.025 * width
-            and abs(y - points[j][1]) < 0.04
-            for j in range(i)
-        ):
-            offsets[i] = -offsets[i] + (0.03 if offsets[i] <= 0 else 0.0)  # 0, +3 %, -3 %, +6 %, ...
-    return offsets
-
-
-def _shift(x: float, share: float, log_x: bool, span: tuple[float, float]) -> float:
-    if not share:
-        return x
-    if log_x:
-        width = math.log10(max(span[1], 1e-12)) - math.log10(max(span[0], 1e-12))
-        return x * 10 ** (share * max(width, 1e-9))
-    return x + share * max(span[1] - span[0], 1e-9)
-
-
 def plot(report: AuditReport, path: Path) -> None:
     """Per model: reconstruction (worst of ROUGE-1 and token recall over the text attacks) and
     identification (labels / fingerprint advantage over chance) against utility, one colour and marker
@@ -208,12 +140,12 @@ def plot(report: AuditReport, path: Path) -> None:
                     continue
                 points.append((u.value, y))
                 keep.append(u)
-            offsets = _dodge(points, metric == "perplexity", span)
+            offsets = dodge(points, metric == "perplexity", span)
             for (x, y), dx, u in zip(points, offsets, keep):
                 colour, marker = style[u.defence]
                 v = verdict.get(u.defence)
                 leaking = v is not None and not v.holds
-                x = _shift(x, dx, metric == "perplexity", span)
+                x = shift(x, dx, metric == "perplexity", span)
                 ax.scatter(
                     x,
                     y,
@@ -333,26 +265,6 @@ def token_marks(reference: list[str], prediction: list[str]) -> list[tuple[str, 
     return marks
 
 
-_CSS = """
-body{font-family:system-ui,sans-serif;margin:2em;max-width:1250px;color:#222}
-table{border-collapse:collapse;margin-bottom:1.5em}td,th{border:1px solid #ccc;padding:3px 7px;vertical-align:top}
-th{background:#f3f3f3;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
-.hit{background:#b7e4b0}.moved{background:#ffd59e}.miss{color:#999}.more{color:#777;font-style:italic}
-.ref{color:#333}.empty{color:#aaa;font-style:italic}.na{color:#aaa}
-.leak{color:#b00020;font-weight:600}.holds{color:#176d2c;font-weight:600}.suspect{color:#a15c00;font-weight:600}
-.how{background:#f7f7fb;border-left:4px solid #6b6bd6;padding:.6em 1em;max-width:900px}
-"""
-
-
-def _e(value: Any) -> str:
-    return html.escape(str(value))
-
-
-def _num(value: float | None, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "<td class='n na'>–</td>"
-    return f"<td class='n'>{value:.{digits}f}</td>"
-
 
 def _scope(config: dict) -> str:
     rounds, attacked = config.get("rounds"), config.get("attack_rounds")
@@ -366,7 +278,7 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
     config = meta.get("config", {})
     data = meta.get("data", {})
     parts = [
-        f"<!doctype html><html><head><meta charset='utf-8'><title>AEGIS audit</title><style>{_CSS}</style>"
+        f"<!doctype html><html><head><meta charset='utf-8'><title>AEGIS audit</title><style>{CSS}</style>"
         "</head><body><h1>AEGIS audit</h1>"
     ]
     parts.append(

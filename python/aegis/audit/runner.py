@@ -12,10 +12,8 @@ writes it to disk), so a late failure loses nothing that finished.
 
 from __future__ import annotations
 
-import math
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +21,8 @@ import torch
 from torch import nn
 
 from ..data import Example
+from ..harness.evaluate import chance_accuracy, metric_of
+from ..harness.evaluate import evaluator as shared_evaluator
 from . import attacks as audit_attacks
 from .attacks import COST, ModelContext, Target, server_copy
 from .dataset import AuditData, load
@@ -102,32 +102,11 @@ def client_examples(data: AuditData, config: AuditConfig) -> list[list[list[Exam
 
 
 def evaluator(ctx: ModelContext, validation: list[Example]):
+    """The held-out evaluator (:mod:`aegis.harness.evaluate`, the utility study's too) on the first
+    ``max_eval`` validation sentences, and the classifier's chance accuracy on them."""
     examples = validation[: ctx.config.max_eval]
-    batch = ctx.build(examples)
-    counts = Counter(e.label for e in examples)
-    chance = max(counts.values()) / len(examples) if ctx.kind == "encoder" else None
-
-    @torch.no_grad()
-    def evaluate(model: nn.Module) -> dict[str, float]:
-        was = model.training
-        model.eval()
-        try:
-            out = model(**batch)
-        finally:
-            model.train(was)
-        loss = float(out.loss)
-        if ctx.kind == "decoder":
-            return {"val_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
-        from sklearn.metrics import f1_score
-
-        pred = out.logits.argmax(-1)
-        return {
-            "val_loss": loss,
-            "accuracy": float((pred == batch["labels"]).float().mean()),
-            "f1": float(f1_score(batch["labels"], pred, average="macro", zero_division=0)),
-        }
-
-    return evaluate, chance
+    evaluate = shared_evaluator(ctx.kind, ctx.build, examples, max(2, len(ctx.label_ids)))
+    return evaluate, chance_accuracy(ctx.kind, examples)
 
 
 # -- federate ------------------------------------------------------------------------------------------------------
@@ -195,7 +174,7 @@ def federate(
                 )
             )
     final = run.utility[-1] if run.utility else {}
-    metric = "perplexity" if ctx.kind == "decoder" else "accuracy"
+    metric = metric_of(ctx.kind)
     eps = [r["epsilon"] for r in run.reports if "epsilon" in r]
     delta = next((r["delta"] for r in run.reports if "delta" in r), None)
     utility = UtilityRecord(

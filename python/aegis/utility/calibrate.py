@@ -27,13 +27,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..audit import attacks as audit_attacks
-from ..audit.options import AuditConfig, DefenceSpec, UsageError
+from ..audit.options import AuditConfig
 from ..audit.records import MARGIN, NullBaseline
 from ..audit.runner import batch_builder
 from ..config import FROZEN, PROMISES, VERIFICATION, AegisConfig, Preset, Threat, Treatment
 from ..data import LABELS, load_corpus
+from ..errors import UsageError
+from ..harness.evaluate import evaluator, metric_of
+from ..registry import DefenceSpec
 from .config import Algorithm, UtilityConfig
-from .evaluate import evaluator, metric_of
 from .federation import federate
 from .harness import load
 from .split import dirichlet_split

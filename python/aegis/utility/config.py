@@ -21,13 +21,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, fields
 
-from ..audit.options import UsageError
+from ..errors import UsageError
 from ..exposure import ExposurePolicy
+from ..registry import parse_defence
 
 MODELS = ("decoder", "encoder")
 ATTACKS = ("dager", "embedding_norm", "mlp_span", "spectral", "tag", "labels", "fingerprint_pool")
 DEFENCES = ("none", "aegis-verification", "aegis-sentences", "dp-sgd", "prune-90", "soteria-80")
-DEFENCE_CHOICES = (*DEFENCES, "aegis-paper")  # the paper's formulas: a reproduction, not a default
 GPU_ROUNDS = 300
 MAX_CLIENTS = 64
 CHACHA = "chacha"  # the CPU flood's shipped normals, as the result file names them
@@ -118,7 +118,12 @@ def _names(option: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> No
 
 def check(config: UtilityConfig) -> None:
     _names("--models", config.models, MODELS)
-    _names("--defences", config.defences, DEFENCE_CHOICES)
+    if not config.defences:
+        raise UsageError("--defences", f"empty; name some of {', '.join(DEFENCES)}")
+    for name in config.defences:
+        parse_defence(name, "--defences")
+    if len(set(config.defences)) != len(config.defences):
+        raise UsageError("--defences", "a name is given twice; name each once")
     if config.attacks:
         _names("--attacks", config.attacks, ATTACKS)
     if not config.algorithms or len(set(config.algorithms)) != len(config.algorithms):

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..baselines import make_defence as make_baseline
 from ..config import AegisConfig
 from ..data import Example
 from ..defence import Aegis, Defence
+from ..errors import UsageError
 from ..exposure import IN_MEMORY, ExposurePolicy
+from ..registry import parse_defence
 from .config import Algorithm, Optimizer, UtilityConfig
 from .split import BatchStream
 
@@ -39,13 +42,12 @@ def lr_at(round_: int, config: UtilityConfig) -> float:
 
 def make_defence(name: str | AegisConfig, exposure: ExposurePolicy = ExposurePolicy.SILENCE) -> Defence:
     """One client's defence. AEGIS silences over-budget steps, or (``OFF``) tracks no budget at all."""
-    if isinstance(name, AegisConfig):  # a candidate configuration (aegis calibrate)
-        return Aegis(name.replace(exposure=exposure, exposure_state=IN_MEMORY))
-    if name.startswith("aegis-"):  # simulated clients: their counts live for the run, never in the user's cache
-        return Aegis(AegisConfig(preset=name.partition("-")[2], exposure=exposure, exposure_state=IN_MEMORY))
-    from ..baselines import make_defence as baseline
-
-    return baseline(name)
+    # a candidate configuration (aegis calibrate) or a name; simulated clients keep their exposure counts
+    # for the run, never in the user's cache
+    config = name if isinstance(name, AegisConfig) else parse_defence(name, "--defences").aegis
+    if config is not None:
+        return Aegis(config.replace(exposure=exposure, exposure_state=IN_MEMORY))
+    return make_baseline(name)
 
 
 def make_optimizer(kind: Optimizer, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -176,8 +178,6 @@ def _local_steps(clients: list[Client], config: UtilityConfig) -> int:
     if config.local_steps == 0:
         return smallest  # one local epoch of the smallest shard: every client takes the same E steps
     if config.local_steps > smallest:
-        from ..audit.options import UsageError
-
         raise UsageError(
             "--local-steps",
             f"{config.local_steps} distinct batches per round, but the smallest client holds {smallest}: "

@@ -15,9 +15,9 @@ import torch
 from ..audit.options import AuditConfig
 from ..audit.runner import batch_builder, load_model
 from ..data import LABELS, load_corpus
+from ..harness.evaluate import evaluator, metric_of
 from . import privacy
 from .config import CHACHA, UtilityConfig
-from .evaluate import evaluator, metric_of
 from .federation import federate
 from .results import statements, summarise
 from .split import dirichlet_split

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 
-from ..audit.report import _CSS, _e, _num
+from ..harness.style import CSS as _CSS
+from ..harness.style import escape as _e
+from ..harness.style import number_cell as _num
 from .config import CHACHA
 from .results import BEFORE
 

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from ..audit.records import MARGIN
-from ..audit.report import _dodge, _shift
+from ..harness.style import dodge, shift
 from .results import ACC_BAR, PPL_BAR
 
 COLOURS = ("#000000", "#1f77b4", "#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
@@ -114,9 +114,9 @@ def frontier(result: dict, path: Path) -> None:
         log_x = metric == "perplexity"
         xs = [x for x, _ in points] + [v for v in (rows[0]["undefended"], rows[0]["untrained"]) if v]
         span = (min(xs), max(xs)) if xs else (0.0, 1.0)
-        for s, (x, y), dx in zip(shown, points, _dodge(points, log_x, span)):
+        for s, (x, y), dx in zip(shown, points, dodge(points, log_x, span)):
             colour, marker = style[s["defence"]]
-            ax.scatter(_shift(x, dx, log_x, span), y, color=colour, marker=marker, s=170 if marker == "*" else 90,
+            ax.scatter(shift(x, dx, log_x, span), y, color=colour, marker=marker, s=170 if marker == "*" else 90,
                        edgecolors="red" if not s["meets_privacy"] else "white", linewidths=1.5,
                        label=s["defence"] + ("  meets both bars" if s["meets_both"] else ""), zorder=3)
         ax.axhline(MARGIN, color="tab:red", linestyle="--", linewidth=1, label=f"privacy bar (null + {MARGIN})")

@@ -6,11 +6,8 @@ undefended (encoder), and every attack <= max(0.05, null + 0.05) at every attack
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Sequence
-from pathlib import Path
 
 PPL_BAR = 1.05
 ACC_BAR = 0.98
@@ -72,22 +69,6 @@ def summarise(result: dict) -> list[dict]:
         )
         rows[-1]["meets_both"] = rows[-1]["meets_utility"] and rows[-1]["meets_privacy"]
     return rows
-
-
-def _clean(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    return value
-
-
-def write(result: dict, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(_clean(result), indent=1))
-    os.replace(tmp, path)
 
 
 def merge(old: dict, new: dict) -> dict:

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..audit.options import UsageError
 from ..data import Example
+from ..errors import UsageError
 
 MAX_DRAWS = 200
 

@@ -7,11 +7,14 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from ..audit.options import UsageError, check_out
-from ..audit.report import ReportWriter
+from ..audit.options import check_out
+from ..errors import UsageError
+from ..harness.output import OutputFolder, write_json
+from . import plots
 from .config import UtilityConfig
 from .harness import run_utility
-from .results import merge, write
+from .page import utility_html
+from .results import merge
 
 
 def previous(folder: Path) -> dict | None:
@@ -41,7 +44,22 @@ def study(
         merge(old, {"settings": config.as_dict(), "runs": [], "references": [], "nulls": [], "machine": {}})
 
     def sink(result: dict) -> None:
-        write({"utility": combined(result)}, folder / "report.json")
+        write_json({"utility": combined(result)}, folder / "report.json")
 
     result = combined(run_utility(config, device, sink=sink, progress=say))
-    return result, ReportWriter(folder).finish_utility(result)
+    return result, write_outputs(result, folder)
+
+
+def write_outputs(result: dict, out: Path | OutputFolder) -> list[Path]:
+    """The study's files: report.json (its data under "utility"), learning_curves.png, frontier.png and
+    report.html (into a temporary folder it names if ``out`` fails)."""
+    folder = out if isinstance(out, OutputFolder) else OutputFolder(out)
+
+    def write(path: Path) -> list[Path]:
+        write_json({"utility": result}, path / "report.json")
+        plots.learning_curves(result, path / "learning_curves.png")
+        plots.frontier(result, path / "frontier.png")
+        (path / "report.html").write_text(utility_html(result, "learning_curves.png", "frontier.png"))
+        return [path / name for name in ("report.json", "learning_curves.png", "frontier.png", "report.html")]
+
+    return folder.write(write)
