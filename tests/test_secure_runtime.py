@@ -21,13 +21,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.server.workflow import SecAggPlusWorkflow
 
 from aegis.fl import secagg_patch
 from aegis.fl.secure import REFUSAL as GUARD_REFUSAL
 from aegis.fl.secure import SurvivorPin
 from aegis.fl.secure_app import PIN_ENV, node_pin, secure_settings
 from aegis.fl.secure_record import RECORD_ENV
+from aegis.fl.secure_rounds import SecAggPlus, run_secure_rounds
 from aegis.fl.simulation import flower_runtime, simulate
+from test_secure_fl import assert_sum_to_quantisation, data, tiny_gpt2
 
 README = Path(__file__).resolve().parents[1] / "python" / "aegis" / "fl" / "README.md"
 TINY = {"model-layers": 1, "model-width": 32, "model-heads": 2}  # the app's decoder, random, small
@@ -128,6 +131,21 @@ def test_the_pin_is_the_nodes_own(monkeypatch):
         node_pin(ctx({"aegis-min-survivors": "x"}))
     with pytest.raises(ValueError, match="at least 2 survivors"):
         node_pin(ctx({"aegis-min-survivors": 1}))
+
+
+@pytest.mark.parametrize("workflow", [SecAggPlus, SecAggPlusWorkflow])
+def test_a_node_that_drops_before_sharing_its_keys_leaves_the_round(workflow):
+    def absent(node, msg):  # node 1003 answers setup, then is gone
+        return node == 1003 and msg.content.config_records.get("secaggplus_configs", {}).get("stage") == "share_keys"
+
+    run = run_secure_rounds(tiny_gpt2(), data(4), rounds=1, pin=SurvivorPin(3), absent=absent, clipping_range=1.0,
+                            workflow=workflow)
+    if workflow is SecAggPlusWorkflow:  # Flower's own asks the survivors for shares of 1003's key: none has one
+        refusals = [r for guard in run.guards[:3] for r in guard.refusals]
+        assert run.sums == {} and len(refusals) == 3 and all("KeyError: 1003" in r for r in refusals)
+    else:
+        assert run.strategy.survivors == {1: 3}
+        assert_sum_to_quantisation(run, 1, 3, 1.0)
 
 
 @pytest.mark.parametrize("run_config, named", [

@@ -29,7 +29,7 @@ import torch
 from flwr.app import Context, Message, MetricRecord
 from flwr.client.mod import secaggplus_mod
 from flwr.server import LegacyContext, ServerConfig
-from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+from flwr.server.workflow import DefaultWorkflow
 from flwr.serverapp import Grid
 
 from ..exposure import ExposurePolicy
@@ -38,7 +38,7 @@ from . import secagg_patch
 from .client import config_from_run_config, refuse, trainable_arrays
 from .secure import MAX_WEIGHT, SecureGuard, SecureTrainer, SurvivorPin, check_quantisation
 from .secure_record import ClientRecord, RecordingGrid, ServerRecord
-from .secure_rounds import SecureStrategy, required_clipping_range
+from .secure_rounds import SecAggPlus, SecureStrategy, required_clipping_range
 from .task import DEFAULT_RUN_CONFIG, decoder, train_batches, validation_batches, validation_loss
 
 # Run config keys of a secure run (the server's choices) and their defaults.
@@ -139,7 +139,7 @@ def server_main(grid: Grid, context: Context) -> None:
                               optimizer=str(s["server-optimizer"]), lr=float(s["lr"]), local_steps=steps,
                               min_clients=nodes, on_round=on_round)
     legacy = LegacyContext(context, config=ServerConfig(num_rounds=s["num-server-rounds"]), strategy=strategy)
-    fit = SecAggPlusWorkflow(num_shares=1.0, reconstruction_threshold=threshold, max_weight=MAX_WEIGHT,
+    fit = SecAggPlus(num_shares=1.0, reconstruction_threshold=threshold, max_weight=MAX_WEIGHT,
                              clipping_range=clipping, quantization_range=QUANTIZATION_RANGE,
                              modulus_range=MODULUS_RANGE, timeout=float(s["secagg-timeout"]))
     DefaultWorkflow(fit_workflow=fit)(grid if record is None else RecordingGrid(grid, record), legacy)

@@ -96,6 +96,24 @@ def reply_stage(msg: Message) -> str:
     return next((stage for stage, expected in REPLY_FIELDS.items() if fields == expected), "?")
 
 
+class SecAggPlus(SecAggPlusWorkflow):
+    """Flower's ``SecAggPlusWorkflow``, where a node that drops before sharing its keys leaves the round.
+
+    Flower 1.42 keeps such a node among the sampled ones, so its unmask stage asks every survivor for
+    a share of that node's key, which none holds (``secaggplus_mod`` raises ``KeyError``), and the
+    round halts. No survivor's vector carries a mask with it (clients add pairwise masks only for the
+    nodes whose shares reached them), so it is taken out of the round and of every neighbourhood."""
+
+    def share_keys_stage(self, grid, context, state) -> bool:
+        if not super().share_keys_stage(grid, context, state):
+            return False
+        kept = set(state.active_node_ids)
+        state.sampled_node_ids = kept
+        for nid in kept:
+            state.nid_to_neighbours[nid] &= kept
+        return True
+
+
 class SecureStrategy(Strategy):
     """Legacy strategy for SecAgg+: every sampled client, the survivors' mean update, a global step.
 
@@ -229,7 +247,7 @@ def run_secure_rounds(
     loss_fn: LossFn = lm_loss,
     absent: Callable[[int, Message], bool] | None = None,
     extra_nodes: Mapping[int, Callable[[Message, Context], Message]] | None = None,
-    workflow: type[SecAggPlusWorkflow] = SecAggPlusWorkflow,
+    workflow: type[SecAggPlusWorkflow] = SecAggPlus,
     quiet: bool = True,
 ) -> SecureRun:
     """Secure rounds of ``len(client_batches)`` AEGIS clients on the in-process grid.
