@@ -105,7 +105,7 @@ def keystream(key: Tensor, blocks: Tensor, domain: int = NOISE_DOMAIN, rounds: i
     """The 16 words of each 64-bit block counter in ``blocks`` (int64) under ``key``: (n, 16) int64."""
     check_key(key)
     k = key.to(device=blocks.device, dtype=torch.int64)
-    state = [*SIGMA_CONSTANTS, *k.unbind(), blocks & MASK32, (blocks >> 32) & MASK32, domain, 0]
+    state: list[Tensor | int] = [*SIGMA_CONSTANTS, *k.unbind(), blocks & MASK32, (blocks >> 32) & MASK32, domain, 0]
     return chacha_block(state, rounds)
 
 
@@ -222,7 +222,7 @@ def noise_components(n: int, key: Tensor, offset: int, per: int, device: torch.d
         blocks = torch.arange(start, min(start + chunk, count), dtype=torch.int64, device=device)
         a, b = _element_normals(keystream(key, blocks + offset // BLOCK_WORDS), per)
         za[start : start + len(blocks)] = a
-        if zb is not None:
+        if zb is not None and b is not None:
             zb[start : start + len(blocks)] = b
     return za.reshape(-1)[:n], None if zb is None else zb.reshape(-1)[:n]
 

@@ -14,6 +14,9 @@ calls (torch's fp32 sqrt is not the correctly rounded one), so the exported valu
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -40,8 +43,10 @@ _kernel = njit(nogil=True, cache=True)
 
 
 # ----------------------------------------------------------------------------- ChaCha8
-@intrinsic
-def _add32(typingctx, a, b):
+# numba's stub types a call of an @intrinsic with its typing function's signature (typingctx first)
+# and as returning Never, which would hide the rest of each jitted function from mypy; jitted code
+# calls it without typingctx, so the two intrinsics are bound under that call signature.
+def _add32_typing(typingctx, a, b):
     """a + b mod 2^32 on uint32 (numba's own + widens to 64 bits, halving the vector lanes)."""
 
     def codegen(context, builder, signature, args):
@@ -50,8 +55,10 @@ def _add32(typingctx, a, b):
     return types.uint32(types.uint32, types.uint32), codegen
 
 
-@intrinsic
-def _xor_rotl32(typingctx, a, b, n):
+_add32 = cast(Callable[[Any, Any], Any], intrinsic(_add32_typing))
+
+
+def _xor_rotl32_typing(typingctx, a, b, n):
     """rotl(a ^ b, n) on uint32: LLVM's funnel shift, one vprold on AVX-512."""
 
     def codegen(context, builder, signature, args):
@@ -61,6 +68,9 @@ def _xor_rotl32(typingctx, a, b, n):
         return builder.call(fshl, [x, x, builder.trunc(args[2], i32)])
 
     return types.uint32(types.uint32, types.uint32, types.intp), codegen
+
+
+_xor_rotl32 = cast(Callable[[Any, Any, Any], Any], intrinsic(_xor_rotl32_typing))
 
 
 @_inline

@@ -53,7 +53,7 @@ def flood_(grads: list[Tensor], modes, params: Tensor, key: Tensor, *, grouped: 
         dparams = params.to(device, non_blocking=True)
         with on_device(device):
             if type(step) is RowsStep:
-                i = step.index
+                i = step.tensor
                 flood_rows(K, work[i], work[i], dparams[i], dkey, step.bbase)
             elif type(step) is GroupStep:
                 if cuda_graph.is_capturing(device):  # the graph reads the cached index by address

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
+import importlib.machinery
 import os
 import sys
 import threading
@@ -55,7 +55,7 @@ def interpreted_module(name: str) -> ModuleType:
                 copy = ModuleType(_COPY)
                 copy.__path__ = list(sys.modules[_PACKAGE].__path__)
                 copy.__package__ = _COPY
-                copy.__spec__ = importlib.util.spec_from_loader(_COPY, loader=None, is_package=True)
+                copy.__spec__ = importlib.machinery.ModuleSpec(_COPY, loader=None, is_package=True)
                 copy.__spec__.submodule_search_locations = copy.__path__
                 sys.modules[_COPY] = copy
             return importlib.import_module(full)

@@ -75,20 +75,22 @@ class Backend(NamedTuple):
 
     def module(self, name: str) -> Any:
         """Another kernel module of the package (e.g. ``testing``) of the same kind."""
-        if self.interpreted:
-            return InterpretedKernels(interpreted_module(name))
-        return importlib.import_module(f"{__package__}.{name}")
+        return _load(name, self.interpreted)
 
 
 _BACKENDS: dict[bool, Backend] = {}
 
 
-def _build(interpreted: bool) -> Backend:
+def _load(name: str, interpreted: bool) -> Any:
     if interpreted:
-        mods = [InterpretedKernels(interpreted_module(n)) for n in ("stream", "rows", "matrix")]
-    else:
-        mods = [importlib.import_module(f"{__package__}.{n}") for n in ("stream", "rows", "matrix")]
-    return _BACKENDS.setdefault(interpreted, Backend(*mods, INTERPRETER if interpreted else GPU, interpreted))
+        return InterpretedKernels(interpreted_module(name))
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+def _build(interpreted: bool) -> Backend:
+    stream, rows, matrix = (_load(n, interpreted) for n in ("stream", "rows", "matrix"))
+    config = INTERPRETER if interpreted else GPU
+    return _BACKENDS.setdefault(interpreted, Backend(stream, rows, matrix, config, interpreted))
 
 
 def backend(device: torch.device) -> Backend:
@@ -168,7 +170,7 @@ class RowsStep(NamedTuple):
     """A rows flood of tensor ``index`` from keystream block ``bbase``."""
 
     device: torch.device
-    index: int
+    tensor: int  # its position in ``grads`` (``index`` would shadow tuple.index)
     bbase: int
 
 
@@ -207,15 +209,14 @@ def flood_plan(grads: list[Tensor], modes: str, grouped: bool | None) -> FloodPl
                                      for g in grads))
     except Exception:  # e.g. a sparse gradient: let the full checks below explain
         sig = None
-    plan = _PLANS.get(sig) if sig is not None else None
-    if plan is None:
-        plan = _make_plan(grads, ref.split_modes(modes), grouped)
-        if sig is not None:
-            _PLANS[sig] = plan
-            while len(_PLANS) > CACHE_MAX:
-                _PLANS.popitem(last=False)
-    else:
+    if sig is not None and sig in _PLANS:
         _PLANS.move_to_end(sig)
+        return _PLANS[sig]
+    plan = _make_plan(grads, ref.split_modes(modes), grouped)
+    if sig is not None:
+        _PLANS[sig] = plan
+        while len(_PLANS) > CACHE_MAX:
+            _PLANS.popitem(last=False)
     return plan
 
 

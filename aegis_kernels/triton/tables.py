@@ -76,7 +76,8 @@ def group_layout(
     # pipeline chunks: whole tensors, ~equal bytes, each stage big enough to hide its launch
     total = sum(numels)
     m = max(1, min(cfg.pipe_chunks, total * itemsize // cfg.pipe_min_bytes))
-    chunks, start, acc = [], 0, 0
+    chunks: list[tuple[int, int]] = []
+    start, acc = 0, 0
     for i, n in enumerate(numels):
         acc += n
         if acc * m >= total * (len(chunks) + 1) or i == T - 1:
