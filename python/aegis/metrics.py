@@ -35,7 +35,7 @@ def align(predictions: Sequence[str], references: Sequence[str], alignment: str 
         return [None] * len(references)
     if alignment == "greedy":
         pred_words = [_words(p) for p in predictions]
-        out = []
+        out: list[int | None] = []
         for ref in references:
             ref_words = _words(ref)
             agree = [sum(a == b for a, b in zip(ref_words, pw)) for pw in pred_words]
@@ -47,10 +47,10 @@ def align(predictions: Sequence[str], references: Sequence[str], alignment: str 
         scorer = _scorer()
         cost = [[1.0 - scorer.score(ref, pred)["rouge1"].fmeasure for pred in predictions] for ref in references]
         rows, cols = linear_sum_assignment(cost)
-        out = [None] * len(references)
+        matched: list[int | None] = [None] * len(references)
         for r, c in zip(rows, cols):
-            out[r] = int(c)
-        return out
+            matched[r] = int(c)
+        return matched
     raise ValueError(f"alignment={alignment!r}: use 'greedy' or 'hungarian'")
 
 
