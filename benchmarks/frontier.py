@@ -496,7 +496,7 @@ def main(argv=None) -> None:
     if not 0 <= index < count:
         parser.error(f"--shard {args.shard}: use i/n with 0 <= i < n")
     if not args.cipher:
-        from tests import fast_noise
+        from aegis_kernels import testing as fast_noise
 
         fast_noise.install()
     torch.set_num_threads(args.threads)

@@ -270,7 +270,7 @@ def main(argv=None) -> None:
                      "guesses with other batches) and --candidates >= 2")
     device = torch.device(args.device)
     if not args.cipher:
-        from tests import fast_noise
+        from aegis_kernels import testing as fast_noise
 
         fast_noise.install()
     torch.set_num_threads(args.threads)

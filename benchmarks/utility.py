@@ -10,7 +10,7 @@
 
 --exposure off is a measurement, not a private setting: AEGIS exports every batch however often its examples
 were exported before. --fast-noise (CPU) swaps the flood's ChaCha normals for keyed torch.randn
-(tests/fast_noise.py): the same law, far cheaper on CPU, no secret stream; report.json records it.
+(aegis_kernels.testing): the same law, far cheaper on CPU, no secret stream; report.json records it.
 
 Writes report.json (every curve point, the settings, the machine and card, wall time, the bar per run),
 learning_curves.png, frontier.png and report.html into --out. Needs torch + transformers (+ matplotlib for
@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.fast_noise:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.fast_noise
-        from tests import fast_noise
+        from aegis_kernels import testing as fast_noise
 
         fast_noise.install()
     started = time.time()

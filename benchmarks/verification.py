@@ -276,7 +276,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     if args.fast_noise:
-        from tests import fast_noise
+        from aegis_kernels import testing as fast_noise
 
         fast_noise.install()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

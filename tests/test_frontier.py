@@ -19,6 +19,7 @@ from frontier import GROUPS, NEAR_EXACT, Frontier, Setting, config_of, grid  # n
 
 import aegis  # noqa: E402
 from aegis.models import default_decoder  # noqa: E402
+from fast_noise import fast_noise  # noqa: E402, F401  (fixture: the script's default noise, restored after)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def test_fine_tune_steps_on_the_masked_gradient_and_leaves_frozen_weights(tiny):
 
 
 @pytest.mark.slow
-def test_quick_run_writes_rows_with_every_attack_and_positive_controls(tmp_path):
+def test_quick_run_writes_rows_with_every_attack_and_positive_controls(tmp_path, fast_noise):
     frontier.main(["--model", "tiny", "--quick", "--steps", "2", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "frontier-cpu-tiny.json").read_text())
     assert result["complete"] and len(result["rows"]) == len(grid(True))

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "aegis"
+KERNELS = Path(__file__).resolve().parents[1] / "aegis_kernels"
 
 LAYERS: dict[str, int] = {
     **dict.fromkeys(
@@ -183,10 +184,16 @@ def test_the_checks_catch_a_cycle_and_an_upward_arrow():
 @pytest.mark.parametrize("helper", ["aegis_kernels.testing", "tests"])
 def test_no_package_module_imports_test_helpers(helper):
     """The keyed-randn noise swap is for tests and benchmarks: nothing a client runs may import it."""
-    for module, path in modules().items():
+    kernels = {f"aegis_kernels/{p.relative_to(KERNELS)}": p for p in KERNELS.rglob("*.py") if p.name != "testing.py"}
+    for module, path in {**modules(), **kernels}.items():
         for node in ast.walk(ast.parse(path.read_text())):
-            names = (
-                [a.name for a in node.names] if isinstance(node, ast.Import)
-                else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
-            )
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):  # relative imports inside aegis_kernels: ``from . import testing``
+                base = node.module or ""
+                names = [base] + [f"{base}.{a.name}" if base else a.name for a in node.names]
+                if node.level and module.startswith("aegis_kernels"):
+                    names = [f"aegis_kernels.{n}" for n in names]
+            else:
+                continue
             assert not any(n == helper or n.startswith(helper + ".") for n in names), f"{module} imports {helper}"

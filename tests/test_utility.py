@@ -1,5 +1,5 @@
 """The utility harness's pieces on a tiny model (fast): schedule, client split, batch streams, macro-F1,
-the exposure mirror against the shield, FedSGD / FedAvg runs, the result file, figures and page.
+the shield's count of silenced steps, FedSGD / FedAvg runs, the result file, figures and page.
 
 The AEGIS runs here swap the flood's ChaCha normals for a keyed ``torch.randn`` (``fast_noise``): what
 they check (which steps the exposure budget silences) does not depend on the noise stream."""
@@ -275,11 +275,11 @@ def test_page_says_exposure_off_is_no_private_setting(tmp_path):
 
     settings = UtilityConfig(rounds=2, clients=2, exposure=ExposurePolicy.OFF, attacks=()).as_dict()
     result = _result(settings=settings)
-    result["machine"]["cpu_noise"] = "tests.fast_noise.keyed_normals"
+    result["machine"]["cpu_noise"] = "aegis_kernels.testing.keyed_normals"
     page = write_outputs(result, tmp_path)[3].read_text()
     assert "no attacks run." in page and "exports at rounds" not in page
     assert "Exposure budget OFF: a measurement of the noise alone, not a private setting" in page
-    assert "tests.fast_noise.keyed_normals (not the ChaCha stream)" in page
+    assert "aegis_kernels.testing.keyed_normals (not the ChaCha stream)" in page
 
 
 def test_page_names_the_algorithms_the_study_ran(tmp_path):
