@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import numpy as np
 import torch
@@ -151,14 +152,18 @@ class FedSGD(FedAvg):
         if not usable:
             log.warning("FedSGD round %d: no usable gradient, global model unchanged", server_round)
             return None, metrics
-        weights = np.array([float(_metrics(c)[self.weighted_by_key]) for c in usable])
+        optimizer = self.optimizer
+        if optimizer is None:
+            raise RuntimeError("FedSGD: aggregate_train before configure_train loaded the global arrays")
+        # _problem let through only replies whose weight is a positive int or float
+        weights = np.array([float(cast(float, _metrics(c)[self.weighted_by_key])) for c in usable])
         weights /= weights.sum()
         mean = self._weighted_mean(usable, weights)
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         for key, param in self.params.items():
             param.grad = mean[key]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         return self.arrays(), metrics
 
     def _problem(self, content: RecordDict) -> str | None:
