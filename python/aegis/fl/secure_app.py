@@ -22,7 +22,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -117,6 +117,7 @@ def server_main(grid: Grid, context: Context) -> None:
     record = ServerRecord.from_env(names, clipping_range=clipping, quantization_range=QUANTIZATION_RANGE,
                                    modulus_range=MODULUS_RANGE, patched=secagg_patch.installed())
     history: dict[str, list[float]] = {"validation-loss": [], "validation-perplexity": []}
+    curves = cast(dict[str, Any], history)  # MetricRecord's value type names list[float]; dict is invariant
     params = dict(model.named_parameters())
 
     def evaluate() -> float:
@@ -143,7 +144,7 @@ def server_main(grid: Grid, context: Context) -> None:
                              clipping_range=clipping, quantization_range=QUANTIZATION_RANGE,
                              modulus_range=MODULUS_RANGE, timeout=float(s["secagg-timeout"]))
     DefaultWorkflow(fit_workflow=fit)(grid if record is None else RecordingGrid(grid, record), legacy)
-    context.state["evaluation"] = MetricRecord(history)
+    context.state["evaluation"] = MetricRecord(curves)
     rounds = range(1, s["num-server-rounds"] + 1)
     context.state["secure"] = MetricRecord({"survivors": [strategy.survivors.get(r, 0) for r in rounds]})
 

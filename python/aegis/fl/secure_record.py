@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 from flwr.app import Message
@@ -44,7 +44,7 @@ def _dump(value, f) -> None:
 
 
 def _savez(arrays: Mapping[str, np.ndarray], f) -> None:
-    np.savez(f, **arrays)
+    np.savez(f, **cast(dict[str, Any], arrays))
 
 
 def _write(path: Path, write: Callable[[BinaryIO], None]) -> None:
@@ -67,7 +67,7 @@ class ServerRecord:
         if directory is None:
             return None
         record = cls(directory, names)
-        _write(directory / "setup.json", lambda f: f.write(json.dumps({**setup, "names": list(names)}).encode()))
+        _write(directory / "setup.json", partial(_dump, {**setup, "names": list(names)}))
         return record
 
     def replies(self, server_round: int, stage: str, sent: Sequence[int], replies: Iterable[Message]) -> None:
@@ -76,8 +76,8 @@ class ServerRecord:
             node = reply.metadata.src_node_id
             nodes["failed" if reply.has_error() else "ok"].append(node)
             if stage == Stage.COLLECT_MASKED_VECTORS and not reply.has_error():
-                arrays = reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]
-                masked = np.concatenate([bytes_to_ndarray(b).ravel() for b in arrays])  # type: ignore[union-attr]
+                arrays = cast(list[bytes], reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS])
+                masked = np.concatenate([bytes_to_ndarray(b).ravel() for b in arrays])
                 _write(self.directory / f"round{server_round}-masked-node{node}.npy", partial(np.save, arr=masked))
         nodes["missing"] = sorted(set(sent) - set(nodes["ok"]) - set(nodes["failed"]))
         _write(self.directory / f"round{server_round}-{stage}.json", partial(_dump, nodes))
@@ -105,6 +105,11 @@ class ClientRecord:
             path = self.directory / f"client-node{self.node_id}-round{server_round}.npz"
             _write(path, partial(_savez, {f"arr_{i}": a for i, a in enumerate(arrays)}))
             self.written.add(server_round)
+
+
+def _stage_of(message: Message):
+    configs = message.content.config_records.get(RECORD_KEY_CONFIGS)
+    return None if configs is None else configs.get(Key.STAGE)
 
 
 class RecordingGrid(Grid):
@@ -137,7 +142,7 @@ class RecordingGrid(Grid):
         replies = list(self.grid.send_and_receive(messages, timeout=timeout))
         # SecAgg+ sends each stage as one batch, grouped by its round, with the stage in its record
         rounds = {m.metadata.group_id for m in messages}
-        stages = {str(m.content.config_records.get(RECORD_KEY_CONFIGS, {}).get(Key.STAGE)) for m in messages}
+        stages = {str(_stage_of(m)) for m in messages}
         if len(rounds) == 1 and len(stages) == 1 and next(iter(rounds)).isdigit():
             sent = [m.metadata.dst_node_id for m in messages]
             self.record.replies(int(next(iter(rounds))), next(iter(stages)), sent, replies)
