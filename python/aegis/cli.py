@@ -559,7 +559,11 @@ ABBREVIATIONS = {
 
 def results_tables(report) -> list:
     """Per model: verdict and utility per defence, and every attack's score (narrow enough for 80 columns)."""
+    from aegis.audit.advice import advice
     from aegis.audit.report import utility_text
+
+    def mark(kind: str, text: str) -> str:
+        return f"[{VERDICT_COLOURS[kind]}]{escape(text)}[/]"
 
     tables: list[Table | str] = []
     for model in report.models():
@@ -580,12 +584,14 @@ def results_tables(report) -> list:
         )
         t.add_column("defence", no_wrap=True)
         t.add_column("utility", no_wrap=True)
-        t.add_column("verdict", overflow="fold", ratio=1)
-        for v in verdicts:
-            u = report.utility_of(model, v.defence)
-            util = utility_text(u) + ("" if u is None or u.epsilon is None else f" ε {u.epsilon:.1f}")
-            text = v.render(lambda kind, s: f"[{VERDICT_COLOURS[kind]}]{escape(s)}[/]", escape)
-            t.add_row(v.defence, util, text)
+        t.add_column("privacy verdict", overflow="fold", ratio=2)
+        t.add_column("utility verdict", overflow="fold", ratio=1)
+        t.add_column("recommendation", overflow="fold", ratio=1)
+        for a in advice(report, mark, escape):
+            if a.model == model:
+                u = report.utility_of(model, a.defence)
+                util = utility_text(u) + ("" if u is None or u.epsilon is None else f" ε {u.epsilon:.1f}")
+                t.add_row(a.defence, util, a.privacy, escape(a.utility.text()), mark(a.kind, a.recommendation))
         tables.append(t)
 
         attacks = list(dict.fromkeys(r.attack for r in report.results if r.model == model))

@@ -14,6 +14,7 @@ from ..harness.output import OutputFolder, write_json
 from ..harness.style import CSS, dodge, shift
 from ..harness.style import escape as _e
 from ..harness.style import number_cell as _num
+from .advice import TRAINS_SHARE, UtilityVerdict, advice
 from .records import FLOOR, MARGIN, AttackRecord, AuditReport
 
 BROKEN_ATTACK = FLOOR  # ROUGE-1 at or below this: the attack recovers nothing usable (the paper's bar)
@@ -298,10 +299,14 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
         "<span class='suspect'>suspect</span> (rerun with more trials). Reconstruction attacks count on their "
         "worst axis: ROUGE-1 (word order) or token recall (the bag of words). Utility is the global model after "
         "the last round beside the undefended run and the untrained model "
-        "(and chance accuracy for the classifier). <code>aegis-*-batch</code> is the paper's batch calibration, kept "
-        "to reproduce the paper: its noise level fingerprints the batch. <i>K</i> is how many exports of one batch "
-        "an attack read: the federated rounds export each batch once; the secret-completion attack reads K = the "
-        "configuration's exposure budget jointly and then checks that the shield refuses export K + 1.</div>"
+        "(and chance accuracy for the classifier); a defence <i>trains</i> when it keeps at least "
+        f"{TRAINS_SHARE:.0%} of what the undefended run gained over the untrained model (log perplexity, or "
+        "accuracy points), and the ratio to the undefended run is what it costs. The recommendation weighs both: "
+        "a defence that is private only because it does not train is not usable. <code>aegis-*-batch</code> is "
+        "the paper's batch calibration, kept to reproduce the paper: its noise level fingerprints the batch. "
+        "<i>K</i> is how many exports of one batch an attack read: the federated rounds export each batch once; "
+        "the secret-completion attack reads K = the configuration's exposure budget jointly and then checks that "
+        "the shield refuses export K + 1.</div>"
     )
     parts.append(
         f"<p>Data: {_e(data.get('source', ''))}; validation: {_e(data.get('validation', ''))}. "
@@ -310,18 +315,19 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
         f"{meta.get('seconds', 0):.0f} s.</p>"
     )
     parts.append(
-        "<h2>Verdicts and utility</h2><table><tr><th>model</th><th>defence</th><th>verdict</th>"
-        "<th>utility</th><th>undefended</th><th>untrained</th><th>chance</th><th>DP ε</th></tr>"
+        "<h2>Verdicts</h2><table><tr><th>model</th><th>defence</th><th>privacy verdict</th>"
+        "<th>utility verdict</th><th>recommendation</th><th>utility</th><th>undefended</th><th>untrained</th>"
+        "<th>chance</th><th>DP ε</th></tr>"
     )
-    for v in report.verdicts:
-        u = report.utility_of(v.model, v.defence)
-        none = report.utility_of(v.model, "none")
-        verdict = v.render(lambda kind, text: f"<span class='{kind}'>{_e(text)}</span>", _e)
-        if v.calibration == "batch":
-            verdict += " <i>(batch calibration)</i>"
+    for a in advice(report, lambda kind, text: f"<span class='{kind}'>{_e(text)}</span>", _e):
+        u = report.utility_of(a.model, a.defence)
+        none = report.utility_of(a.model, "none")
         eps = "–" if u is None or u.epsilon is None else f"{u.epsilon:.2f} (δ {u.delta:g})"
         parts.append(
-            f"<tr><td>{_e(v.model)}</td><td>{_e(v.defence)}</td><td>{verdict}</td><td>{_e(utility_text(u))}</td>"
+            f"<tr><td>{_e(a.model)}</td><td>{_e(a.defence)}</td><td class='privacy'>{a.privacy}</td>"
+            f"<td class='utility'>{_utility_cell(a.utility)}</td>"
+            f"<td class='advice'><span class='{a.kind}'>{_e(a.recommendation)}</span></td>"
+            f"<td>{_e(utility_text(u))}</td>"
             f"<td>{_e(utility_text(none))}</td><td>{_e(utility_text(_Ref(u.metric, u.before)) if u else '–')}</td>"
             f"<td>{'–' if u is None or u.chance is None else f'{u.chance:.2f}'}</td><td>{eps}</td></tr>"
         )
@@ -376,6 +382,14 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
         )
     parts.append("</table></body></html>")
     path.write_text("\n".join(parts))
+
+
+def _utility_cell(u: UtilityVerdict) -> str:
+    kind = "suspect" if u.trains is None else "holds" if u.trains else "leak"
+    word, _, rest = u.text().partition(" (")
+    if u.trains is None:
+        return f"<span class='{kind}'>{_e(u.text())}</span>"
+    return f"<span class='{kind}'>{_e(word)}</span>" + (f" ({_e(rest)}" if rest else "")
 
 
 def _metric_name(r: AttackRecord) -> str:
