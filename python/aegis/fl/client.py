@@ -81,7 +81,7 @@ def config_from_run_config(run_config: Mapping, base: AegisConfig | None = None)
     unknown = [k for k in keys if k not in RUN_CONFIG_KEYS]
     if unknown:
         raise ValueError(f"unknown run_config key(s) {unknown}: AEGIS reads {sorted(RUN_CONFIG_KEYS)}")
-    changes = {}
+    changes: dict[str, str | float | bool] = {}
     if "aegis-preset" in run_config:
         changes["preset"] = str(run_config["aegis-preset"])
     if "aegis-rel-threshold" in run_config:
@@ -303,7 +303,8 @@ class ClientTrainer:
                 "@app.train(mods=[AegisMod()]) or pass a defence"
             )
         if self._aegis is None or self._aegis.config != config:
-            self._aegis = Aegis(config).attach(self.model)
+            self._aegis = Aegis(config)
+            self._aegis.attach(self.model)
         return self._aegis
 
     def __call__(self, msg: Message, context: Context) -> Message:
@@ -316,6 +317,8 @@ class ClientTrainer:
         defence.backward(batch, self.loss_fn)  # the loss stays here: it is an oracle for the batch
         defence.defend_()
         if isinstance(defence, Aegis):
+            if defence.shield is None:  # attach() protects the model; a defence that was detached has none
+                raise RuntimeError(f"{defence.name}: not attached to a model")
             content = reply_content(*pack_masked(defence.shield))
         else:
             content = reply_content(pack_gradients(defence.export()))
@@ -354,5 +357,8 @@ def server_round_of(content: RecordDict) -> int:
     """The round an instruction belongs to (its ConfigRecord's ``server-round``; 0 if none)."""
     for record in content.config_records.values():
         if "server-round" in record:
-            return int(record["server-round"])
+            value = record["server-round"]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"the instruction's server-round must be an int, got {value!r}")
+            return value
     return 0

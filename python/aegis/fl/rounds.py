@@ -131,7 +131,7 @@ def run_rounds(
         load_arrays(server_model, arrays)
         metrics = {k: float(v) for k, v in eval_fn(server_model).items()}
         utility.append(metrics)
-        return MetricRecord(metrics)
+        return MetricRecord({**metrics})  # a fresh dict typed as MetricRecord's values
 
     n = len(client_batches)
     with flower_runtime(), flower_log_level(logging.ERROR if quiet else None):
@@ -148,14 +148,14 @@ def run_rounds(
             continue
         c = d.node_id - FIRST_NODE_ID
         record = next(iter(d.reply.content.array_records.values()))
-        metrics = next(iter(d.reply.content.metric_records.values()), {})
+        metrics = next(iter(d.reply.content.metric_records.values()), MetricRecord())
         captured[d.server_round - 1].append(
             SharedGradient(
                 server_round=d.server_round,
                 client=c,
                 grads={k: torch.from_numpy(a.numpy()) for k, a in record.items()},
                 batch=trainers[c].batches_used[d.server_round],
-                metrics=dict(metrics),
+                metrics=_floats(metrics),
             )
         )
     for shared in captured:
@@ -166,8 +166,8 @@ def run_rounds(
         utility=utility,
         rounds=[
             {
-                **{k: float(v) for k, v in result.evaluate_metrics_serverapp.get(r, {}).items()},
-                **{k: float(v) for k, v in result.train_metrics_clientapp.get(r, {}).items()},
+                **_floats(result.evaluate_metrics_serverapp.get(r, MetricRecord())),
+                **_floats(result.train_metrics_clientapp.get(r, MetricRecord())),
             }
             for r in range(1, rounds + 1)
         ],
@@ -220,4 +220,15 @@ def _with_faults(trainer: ClientTrainer, client: int, faults: Mapping[tuple[int,
 def _defence_name(aegis_config: AegisConfig | None, trainers: list[ClientTrainer]) -> str:
     if aegis_config is not None:
         return Aegis(aegis_config).name
-    return trainers[0].defence.name if trainers else "none"
+    first = trainers[0].defence if trainers else None
+    return first.name if first is not None else "none"
+
+
+def _floats(record: MetricRecord) -> dict[str, float]:
+    """A MetricRecord of scalars as floats (every metric of a run is one number)."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, list):
+            raise ValueError(f"metric {key!r} is a list ({value!r}): a run's metrics are scalars")
+        out[key] = float(value)
+    return out
