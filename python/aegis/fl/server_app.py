@@ -56,4 +56,4 @@ def main(grid: Grid, context: Context) -> None:
     )
     strategy.start(grid=grid, initial_arrays=trainable_arrays(model), num_rounds=int(s["num-server-rounds"]),
                    evaluate_fn=evaluate)
-    context.state["evaluation"] = MetricRecord(history)
+    context.state["evaluation"] = MetricRecord({**history})  # a fresh dict typed as MetricRecord's values
