@@ -148,6 +148,17 @@ def test_a_node_that_drops_before_sharing_its_keys_leaves_the_round(workflow):
         assert_sum_to_quantisation(run, 1, 3, 1.0)
 
 
+def test_fedavg_rounds_take_fresh_batches():
+    """Round r trains on batches (r-1)E .. rE-1: no batch is exported twice (the exposure budget would
+    refuse the second round of overlapping windows)."""
+    run = run_secure_rounds(tiny_gpt2(), data(3, per_client=4), rounds=2, pin=SurvivorPin(3), algorithm="fedavg",
+                            local_steps=2, lr=0.05, clipping_range=1.0)
+    assert run.strategy.survivors == {1: 3, 2: 3} and not any(g.refusals for g in run.guards)
+    for trainer in run.trainers:
+        used = [id(b) for r in (1, 2) for b in trainer.batches_used[r]]
+        assert used == [id(b) for b in trainer.batches]
+
+
 @pytest.mark.parametrize("run_config, named", [
     ({"aggregation": "fedprox"}, "'aggregation' = 'fedprox'"),
     ({"min-survivors": 1}, "'min-survivors' = 1"),
@@ -165,6 +176,12 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _legacy_loopback() -> list[str]:
+    """Flower 1.42's SuperLink still opens its gRPC Fleet and Control APIs, on 0.0.0.0:9092/9093 unless
+    told otherwise: loopback, on free ports."""
+    return ["--fleet-api-address", f"127.0.0.1:{_free_port()}", "--control-api-address", f"127.0.0.1:{_free_port()}"]
 
 
 def _project(tmp_path: Path) -> Path:
@@ -208,7 +225,8 @@ def test_secure_rounds_on_the_simulation_runtime(tmp_path, aggregation):
     (Path(env["FLWR_HOME"]) / "config.toml").write_text(
         f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
     superlink = subprocess.Popen(
-        [f"{BIN}/flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1", "--port", str(port)],
+        [f"{BIN}/flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1", "--port", str(port),
+         *_legacy_loopback()],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         run = subprocess.run(
@@ -314,7 +332,8 @@ def test_secure_rounds_on_the_deployment_engine(tmp_path):
     try:
         superlink = start("superlink", "flower-superlink", "--ssl-ca-certfile", str(ca), "--ssl-certfile",
                           str(server_cert), "--ssl-keyfile", str(server_key), "--enable-supernode-auth",
-                          "--disable-runtime-dependency-installation", "--host", "127.0.0.1", "--port", str(port))
+                          "--disable-runtime-dependency-installation", "--host", "127.0.0.1", "--port", str(port),
+                          *_legacy_loopback())
         _wait_for(lambda: _listening(port), 120, "the SuperLink", [superlink])
         keys, ids = [_node_key(certs, f"node{i}") for i in range(nodes)], []
         for _, public in keys:

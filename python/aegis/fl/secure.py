@@ -301,9 +301,11 @@ class SecureTrainer:
 
     Reads the legacy FitIns (``fitins.parameters`` in ``names`` order, ``fitins.config`` with
     ``server-round``, ``algorithm`` "fedsgd" | "fedavg", and for FedAvg ``local-steps`` and ``lr``) and
-    replies in the legacy FitRes layout with public constants. ``batches[(r - 1) % len]`` is round r's
-    batch (FedAvg: E consecutive batches from there). ``tables[r]``, ``batches_used[r]`` and ``updates[r]``
-    keep the flood tables, batches and update of round r (ground truth for the audit; never sent)."""
+    replies in the legacy FitRes layout with public constants. Round r takes the E batches from
+    ``batches[(r - 1) * E]`` on (FedSGD: E = 1), cyclically: each round fresh batches, so a FedAvg client
+    exports no batch twice before it has used them all (AEGIS's exposure budget counts re-exports).
+    ``tables[r]``, ``batches_used[r]`` and ``updates[r]`` keep the flood tables, batches and update of
+    round r (ground truth for the audit; never sent)."""
 
     def __init__(self, model: nn.Module, batches: Sequence[Batch], pin: SurvivorPin, *,
                  config: AegisConfig | None = None, loss_fn: LossFn = lm_loss) -> None:
@@ -327,7 +329,7 @@ class SecureTrainer:
         lr = _number(config, "lr", float) if algorithm == "fedavg" else 1.0
         tables, used = [], []
         for s in range(steps):
-            batch = self.batches[(server_round - 1 + s) % len(self.batches)]
+            batch = self.batches[((server_round - 1) * steps + s) % len(self.batches)]
             for p in self.model.parameters():
                 p.grad = None
             self.loss_fn(self.model, batch).backward()
