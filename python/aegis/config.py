@@ -1,4 +1,4 @@
-"""Configuration as plain data: treatments per role, presets, and AegisConfig (DESIGN §3)."""
+"""Configuration as plain data: treatments per role, presets, and AegisConfig (DESIGN §1.4, §3)."""
 from __future__ import annotations
 
 import dataclasses
