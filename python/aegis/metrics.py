@@ -1,4 +1,4 @@
-"""Reconstruction metrics as DAGER reports them (attacks.md §1.9) and a matched null baseline.
+"""Reconstruction metrics as DAGER reports them (DESIGN §6.1) and a matched null baseline.
 
 Words are rouge-score's tokens (lowercased alphanumeric runs, no stemming), so case and punctuation do
 not count. Scores average over references: a reference nobody reconstructed scores 0.

