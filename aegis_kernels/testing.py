@@ -61,7 +61,7 @@ def _allowed() -> None:
 def install() -> None:
     """For a whole benchmark process: the CPU flood draws :func:`keyed_normals` from now on."""
     _allowed()
-    reference.noise_components = keyed_normals  # type: ignore[assignment]
+    reference.noise_components = keyed_normals
     cpu.HAS_NUMBA, ops._WARNED = False, True  # the CPU op runs the reference (no warning: chosen here)
 
 
@@ -74,4 +74,4 @@ def fast_noise() -> Iterator[None]:
     try:
         yield
     finally:
-        reference.noise_components, cpu.HAS_NUMBA, ops._WARNED = saved  # type: ignore[assignment]
+        reference.noise_components, cpu.HAS_NUMBA, ops._WARNED = saved

@@ -33,6 +33,7 @@ import math
 import secrets
 import warnings
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -178,7 +179,7 @@ class Soteria(Defence):
     def _setup(self) -> None:
         from .policy import plan
 
-        model = self.model
+        model = self._bound()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # unknown roles are AEGIS's concern, not Soteria's
             plans = plan(model, AegisConfig(strict=False))
@@ -191,7 +192,8 @@ class Soteria(Defence):
             owner = p.name.rsplit(".", 1)[0]
             if p.role == "mlp" and p.param.dim() == 2 and p.param.requires_grad and owner.startswith(parent + "."):
                 self.candidates.append((p.name, modules[owner], _input_dim(modules[owner], p.name)))
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        get_embeddings = getattr(model, "get_input_embeddings", None)  # a Hugging Face model's
+        embeddings = get_embeddings() if callable(get_embeddings) else None
         if embeddings is None:
             raise ValueError(f"Soteria: {type(model).__name__} exposes no get_input_embeddings()")
         self._hooks.append(embeddings.register_forward_hook(self._capture_x))
@@ -315,8 +317,9 @@ class DPSGD(Defence):
         except ImportError as err:
             raise ImportError("the DP-SGD baseline needs Opacus: pip install 'opacus>=1.6'") from err
         _register_bert_head(register_grad_sampler)
-        model = self.model
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        model = self._bound()
+        # Any: Opacus's hooks give the parameters grad_sample / summed_grad attributes
+        self._params: list[Any] = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError(f"DP-SGD: {type(model).__name__} has no trainable parameter")
         try:
@@ -362,12 +365,13 @@ class DPSGD(Defence):
         return loss.detach()
 
     def defend_(self) -> None:
+        model = self._bound()
         missing = [
-            n for n, p in self.model.named_parameters() if p.requires_grad and getattr(p, "grad_sample", None) is None
+            n for n, p in model.named_parameters() if p.requires_grad and getattr(p, "grad_sample", None) is None
         ]
         if missing:
             raise RuntimeError(
-                f"Opacus produced no per-sample gradient for {missing} of {type(self.model).__name__}: their "
+                f"Opacus produced no per-sample gradient for {missing} of {type(model).__name__}: their "
                 "module is one Opacus cannot handle (or they were used outside their module's forward)"
             )
         first = self._params[0].grad_sample
@@ -375,7 +379,7 @@ class DPSGD(Defence):
         try:
             self._dp.pre_step()
         except (RuntimeError, ValueError) as err:
-            raise RuntimeError(f"Opacus DP-SGD failed on {type(self.model).__name__}: {err}") from err
+            raise RuntimeError(f"Opacus DP-SGD failed on {type(model).__name__}: {err}") from err
         for p in self._params:  # one step = one batch: never let per-sample state accumulate
             p.grad_sample = None
             p.summed_grad = None

@@ -110,9 +110,10 @@ def parse_defence(name: str, option: str = "defence") -> DefenceSpec:
         return DefenceSpec(given, kind=DefenceKind.NONE)
     if match := _AEGIS.fullmatch(text):
         calibration = Calibration.BATCH if match["batch"] else Calibration.PUBLIC
-        preset = {"preset": match["preset"]} if match["preset"] else {}
         try:
-            return DefenceSpec(given, AegisConfig(**preset, calibration=calibration))
+            config = (AegisConfig(preset=match["preset"], calibration=calibration) if match["preset"]
+                      else AegisConfig(calibration=calibration))
+            return DefenceSpec(given, config)
         except ValueError as err:
             raise UsageError(option, f"{given!r}: {err}") from None
     if match := _DP_SGD.fullmatch(text):

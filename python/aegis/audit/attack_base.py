@@ -9,8 +9,9 @@ imports another.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -42,7 +43,7 @@ class Target:
     server_round: int
     client: int
     grads: dict[str, Tensor]
-    batch: dict[str, Tensor]  # the client's batch (never sent)
+    batch: Mapping[str, Tensor]  # the client's batch (never sent)
     examples: list[Example]
     references: list[str]  # the batch's sentences as the tokenizer sees them (decoded, truncated)
     metrics: dict[str, float] = field(default_factory=dict)  # the reply's MetricRecord, as received
@@ -54,7 +55,7 @@ class ModelContext:
 
     kind: str  # "decoder" or "encoder"
     model: nn.Module  # the initial global model (round 1 starts here); never trained in place
-    tokenizer: object
+    tokenizer: Any  # a Hugging Face tokenizer
     config: AuditConfig
     build: Callable[[Sequence[Example]], dict[str, Tensor]]  # THE batch builder (clients, eval, candidates)
     label_ids: dict[str, int]
@@ -64,7 +65,7 @@ class ModelContext:
     def alignment(self) -> str:
         return "greedy" if self.kind == "decoder" else "hungarian"
 
-    def references(self, batch: dict[str, Tensor]) -> list[str]:
+    def references(self, batch: Mapping[str, Tensor]) -> list[str]:
         return [
             self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
             for ids, mask in zip(batch["input_ids"], batch["attention_mask"])

@@ -142,8 +142,12 @@ class TextAttack(AuditAttack):
             null.score,
             len(rows),
             round(seconds, 2),
+            rouge1=scores["rouge1"],
+            rouge2=scores["rouge2"],
+            rougeL=scores["rougeL"],
+            token_recall=scores["token_recall"],
+            exact_rate=scores["exact_rate"],
             null_token_recall=null.token_recall,
-            **scores,
         )
         return record, recon
 
@@ -172,6 +176,8 @@ class _Fingerprint(AuditAttack):
         (each is a negative log-likelihood), the joint test of an attacker who knows K."""
         from ..attacks.fingerprint import VARIANTS, FingerprintAttack, rank_of_truth, top_share
 
+        if defence.aegis is None:  # applies() keeps the fingerprint rows to AEGIS
+            raise ValueError(f"{defence.name}: the fingerprint attacks read an AEGIS flood's public calibration")
         attack = FingerprintAttack(model, defence.aegis)
         obs = [([attack.observe(e) for e in exports], truth) for exports, truth in observations]
         scores = {v: [[0.0] * len(candidates) for _ in obs] for v in VARIANTS}

@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,7 +146,7 @@ def _examples(rows: list[dict], name: str, config: AuditConfig) -> list[tuple[Ex
     return out
 
 
-def _split(items: list[tuple[Example, str | None]], rows: list[dict], name: str, config: AuditConfig) -> AuditData:
+def _split(items: Sequence[tuple[Example, str | None]], rows: list[dict], name: str, config: AuditConfig) -> AuditData:
     splits = {s for _, s in items if s is not None}
     if "validation" in splits or "valid" in splits or "dev" in splits:
         held = next(s for s in ("validation", "valid", "dev") if s in splits)
@@ -158,9 +159,9 @@ def _split(items: list[tuple[Example, str | None]], rows: list[dict], name: str,
         random.Random(config.seed).shuffle(order)
         cut = max(MIN_VALIDATION, round(config.validation_share * len(examples)))
         cut = min(cut, len(examples) // 2)
-        held = set(order[:cut])
-        train = [e for i, e in enumerate(examples) if i not in held]
-        validation = [e for i, e in enumerate(examples) if i in held]
+        kept = set(order[:cut])
+        train = [e for i, e in enumerate(examples) if i not in kept]
+        validation = [e for i, e in enumerate(examples) if i in kept]
         how = (
             f"{len(validation)} of {len(examples)} sentences ({config.validation_share:.0%}) held out at random "
             f"(seed {config.seed}), never trained on"

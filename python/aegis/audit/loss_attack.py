@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
+
+from torch import Tensor
 
 from ..attacks.loss_oracle import batch_losses, rank_by_loss, reported_loss
 from .attack_base import COST, AuditAttack, ModelContext, Target
 from .records import AttackRecord, NullBaseline, rank_sum_p
 
 
-def round_candidates(ctx: ModelContext, round_targets: list[Target], server_round: int) -> list[dict]:
+def round_candidates(ctx: ModelContext, round_targets: list[Target], server_round: int) -> list[Mapping[str, Tensor]]:
     """The round's true batches (in target order), then seeded decoy batches of the same size: N in all."""
     n = ctx.config.candidates
     size = len(round_targets[0].examples)

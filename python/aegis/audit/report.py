@@ -219,10 +219,10 @@ def plot(report: AuditReport, path: Path) -> None:
                 label=f"untrained model ({utility_text(_Ref(metric, utility[0].before))})",
             ),
         ]
-        undefended = next((u for u in utility if u.defence == "none"), None)
-        if undefended is not None:
+        reference = next((u for u in utility if u.defence == "none"), None)
+        if reference is not None:
             handles.append(
-                Line2D([], [], color="0.55", linestyle="--", label=f"undefended ({utility_text(undefended)})")
+                Line2D([], [], color="0.55", linestyle="--", label=f"undefended ({utility_text(reference)})")
             )
         if utility[0].chance is not None:
             handles.append(

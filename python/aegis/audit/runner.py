@@ -15,12 +15,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..data import Example
+from ..errors import UsageError
 from ..harness.evaluate import chance_accuracy, metric_of
 from ..harness.evaluate import evaluator as shared_evaluator
 from . import attacks as audit_attacks
@@ -47,8 +48,8 @@ class Progress:
     """Callbacks for progress output (no-ops by default): ``total(cost)``, then ``advance(label, cost)`` as
     work finishes (costs are rough seconds, :data:`aegis.audit.attacks.COST`)."""
 
-    total: Callable[[float], None] = lambda cost: None
-    advance: Callable[[str, float], None] = lambda label, cost=1.0: None
+    total: Callable[[float], None] = field(default=lambda cost: None)
+    advance: Callable[..., None] = field(default=lambda label, cost=1.0: None)
 
 
 # -- models and batches --------------------------------------------------------------------------------------------
@@ -83,10 +84,16 @@ def batch_builder(kind: str, tokenizer, label_ids: dict[str, int]) -> Callable[[
         if kind == "decoder":
             batch["labels"] = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
         else:
-            batch["labels"] = torch.tensor([label_ids[e.label] for e in examples])
+            batch["labels"] = torch.tensor([label_ids[_label(e)] for e in examples])
         return batch
 
     return build
+
+
+def _label(example: Example) -> str:
+    if example.label is None:
+        raise UsageError("--label-field", f"{example.text[:40]!r} has no label: the encoder needs one per sentence")
+    return example.label
 
 
 def client_examples(data: AuditData, config: AuditConfig) -> list[list[list[Example]]]:
@@ -220,7 +227,7 @@ def run_audit(
     progress: Progress | None = None,
     *,
     data: AuditData | None = None,
-    sink: Callable[[AuditReport], None] | None = None,
+    sink: Callable[[AuditReport], object] | None = None,
 ) -> AuditReport:
     """Run everything and return the report; ``sink(report)`` after each defence (and at the end)."""
     progress = progress or Progress()

@@ -44,10 +44,12 @@ def make_defence(name: str | AegisConfig, exposure: ExposurePolicy = ExposurePol
     """One client's defence. AEGIS silences over-budget steps, or (``OFF``) tracks no budget at all."""
     # a candidate configuration (aegis calibrate) or a name; simulated clients keep their exposure counts
     # for the run, never in the user's cache
-    config = name if isinstance(name, AegisConfig) else parse_defence(name, "--defences").aegis
-    if config is not None:
-        return Aegis(config.replace(exposure=exposure, exposure_state=IN_MEMORY))
-    return make_baseline(name)
+    if isinstance(name, AegisConfig):
+        return Aegis(name.replace(exposure=exposure, exposure_state=IN_MEMORY))
+    spec = parse_defence(name, "--defences")
+    if spec.aegis is not None:
+        return Aegis(spec.aegis.replace(exposure=exposure, exposure_state=IN_MEMORY))
+    return make_baseline(spec)
 
 
 def make_optimizer(kind: Optimizer, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
