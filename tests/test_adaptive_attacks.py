@@ -1,4 +1,4 @@
-"""Adaptive attacks (attacks.md §1.13): mlp_span reads the MLP channel that freezing attention leaves open,
+"""Adaptive attacks (DESIGN §6.2): mlp_span reads the MLP channel that freezing attention leaves open,
 spectral denoises flooded matrices; with the AEGIS paper preset no attack beats its null baseline."""
 import warnings
 

@@ -1,4 +1,4 @@
-"""DAGER and the shared span machinery (attacks.md §1): exact recovery undefended, nothing through closed
+"""DAGER and the shared span machinery (DESIGN §6.2): exact recovery undefended, nothing through closed
 channels. Batches are the shipped corpus' validation sentences (6-29 tokens each), in file order. "decoder"
 is the default (MiniLM's pretrained layers run causally); GPT-2 internals are tested on arch="gpt2"."""
 import math

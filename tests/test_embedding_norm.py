@@ -1,4 +1,4 @@
-"""Embedding-row attack (attacks.md §4): exact / tied token bags, positions, closed channels, and AEGIS.
+"""Embedding-row attack (DESIGN §6.3): exact / tied token bags, positions, closed channels, and AEGIS.
 
 Bars (issue 4): token recall ≥ 0.90 undefended (tied: the default decoder; untied: GPT-2 config with
 ``tie_word_embeddings=False``); with ``aegis.protect`` (paper preset) recall ≤ max(0.05, null + 0.05) and

@@ -1,4 +1,4 @@
-"""TAG-style optimisation attack (attacks.md §2.2): a fast smoke test, and slow recovery / defence tests.
+"""TAG-style optimisation attack (DESIGN §6.3): a fast smoke test, and slow recovery / defence tests.
 
 The slow tests use a tiny GPT-2 (d = 64, 2 blocks, MiniLM WordPiece vocabulary) at B = 1: the setting in which
 optimisation attacks are known to work. Run them with ``pytest -m slow tests/test_tag.py``.

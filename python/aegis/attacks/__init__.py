@@ -1,4 +1,4 @@
-"""Gradient inversion attacks AEGIS is measured against (DESIGN §4).
+"""Gradient inversion attacks AEGIS is measured against (DESIGN §6).
 
 Every attack has the signature ``attack(model, grads, tokenizer, batch_size) -> list[str]``: the server's
 copy of the model, the gradient dict one client shared (``shared_gradient``), and the batch size. A missing

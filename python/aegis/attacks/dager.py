@@ -1,4 +1,4 @@
-"""DAGER (Petrov et al., NeurIPS 2024), re-implemented from the spec in reference/attacks.md §1.
+"""DAGER (Petrov et al., NeurIPS 2024), re-implemented from the paper (DESIGN §6.2).
 
 Channel: the first two blocks' attention input projections (GPT-2 fused c_attn, LLaMA q/k/v_proj, BERT
 query/key/value; every one present is stacked, they all read the same input). Block 1's span filters
@@ -196,18 +196,21 @@ def _search(model, probe, span, lists, cls, sep, token_type, budget, rule):
 
     def score(seqs):
         ids = torch.tensor([[cls, *s, sep] for s in seqs], device=model.device)
-        kw = {} if token_type is None else {"token_type_ids": torch.full_like(ids, token_type)}
-        return span.residual(module_input(model, probe, ids, **kw))
+        if token_type is None:
+            return span.residual(module_input(model, probe, ids))
+        return span.residual(module_input(model, probe, ids, token_type_ids=torch.full_like(ids, token_type)))
 
     size = math.prod(len(opts) for opts in lists)
     if size <= 1024:
         combos = list(itertools.product(*lists))
         res = score(combos)
-        best = int(res.mean(-1).argmin())
-        return combos[best], res[best]
+        i = int(res.mean(-1).argmin())
+        return combos[i], res[i]
 
     gen = torch.Generator().manual_seed(0)
-    spent, best, best_res = 0, None, None
+    spent = 0
+    best: tuple[int, ...] | None = None
+    best_res: Tensor | None = None
     start = tuple(opts[0] for opts in lists)
     while spent < budget:
         current, cur_res = start, score([start])[0]
@@ -222,7 +225,7 @@ def _search(model, probe, span, lists, cls, sep, token_type, budget, rule):
             if res[k].mean() >= cur_res.mean():
                 break
             current, cur_res = moves[k], res[k]
-        if best is None or cur_res.mean() < best_res.mean():
+        if best_res is None or cur_res.mean() < best_res.mean():
             best, best_res = current, cur_res
         if rule.exact and bool(rule(best_res).all()):
             break

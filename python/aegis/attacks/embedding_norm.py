@@ -1,6 +1,6 @@
 """Embedding-gradient row attack: the bag of input tokens (and more) from embedding-like gradients.
 
-Spec: ``shared/reference/attacks.md`` §4 (re-implemented, no code copied). The attacker is the honest-but-curious
+Spec: DESIGN §6.3 (re-implemented, no code copied). The attacker is the honest-but-curious
 server: it holds the model and the client's shared gradient dict ``{param_name: grad}`` and reads three row
 channels:
 
@@ -140,15 +140,16 @@ def embedding_param_names(model: nn.Module) -> dict[str, list[str]]:
 
 def _find_params(model: nn.Module) -> _Params:
     aliases = _aliases(model)
-    emb_mod = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_input, get_output = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    emb_mod = get_input() if callable(get_input) else None
     emb_w = getattr(emb_mod, "weight", None)
     embedding = aliases.get(id(emb_w), []) if emb_w is not None else []
     head = head_bias = None
     tied = False
     out_mod = None
-    if hasattr(model, "get_output_embeddings"):
+    if callable(get_output):
         try:
-            out_mod = model.get_output_embeddings()
+            out_mod = get_output()
         except Exception:  # some heads raise NotImplementedError
             out_mod = None
     if out_mod is not None and getattr(out_mod, "weight", None) is not None:

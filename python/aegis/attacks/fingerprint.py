@@ -121,6 +121,17 @@ class _Flooded:
     snr: float
 
 
+@dataclass(frozen=True)
+class _Observed:
+    """One exported flooded tensor as the scoring variants read it."""
+
+    level: float  # robust noise level (``_level``)
+    kept: int  # elements that level rests on
+    n: int  # elements
+    sq: float  # sum of squares
+    x: Tensor  # the tensor (the flood's rows view)
+
+
 @dataclass
 class _Prediction:
     """What the defence does to one candidate's gradient, tensor by tensor (the shield's order)."""
@@ -226,9 +237,9 @@ class FingerprintAttack:
         return _Prediction(sigma, energy, signal if keep_signal else None)
 
     # -- scoring -------------------------------------------------------------------------------------
-    def observe(self, exported: Mapping[str, Tensor]) -> list[dict | None]:
+    def observe(self, exported: Mapping[str, Tensor]) -> list[_Observed | None]:
         """Per flooded tensor: the statistics every variant reads (None: absent or closed)."""
-        obs = []
+        obs: list[_Observed | None] = []
         for t in self.tensors:
             x = exported.get(t.name)
             if x is None:
@@ -241,10 +252,10 @@ class FingerprintAttack:
                 obs.append(None)
                 continue
             sq = torch.sum(x.float() * x.float(), dtype=torch.float64).item()
-            obs.append({"level": level, "kept": kept, "n": x.numel(), "sq": sq, "x": x})
+            obs.append(_Observed(level, kept, x.numel(), sq, x))
         return obs
 
-    def score(self, obs: list[dict | None], pred: _Prediction, variant: str = "level") -> float:
+    def score(self, obs: list[_Observed | None], pred: _Prediction, variant: str = "level") -> float:
         """Lower = more likely.
 
         level:      sum_k 2 n_k (ln sigma_obs - ln sigma_pred)^2, each term a squared z-score (the log level
@@ -259,22 +270,23 @@ class FingerprintAttack:
             if o is None:
                 continue
             s = max(pred.sigma[k], 1e-300)
-            n = o["n"]
+            n = o.n
             if variant == "level":
                 if self.tensors[k].mode == "matrix" and self.tensors[k].rho > 0:
                     continue  # signal spread over the whole tensor: its level is not the noise's alone
-                total += 2 * o["kept"] * (math.log(o["level"]) - math.log(s)) ** 2
+                total += 2 * o.kept * (math.log(o.level) - math.log(s)) ** 2
             elif variant == "energy":
                 expected = (pred.signal_energy[k] + s * s * n) / n
-                total += n / 2 * (math.log(o["sq"] / n) - math.log(expected)) ** 2
+                total += n / 2 * (math.log(o.sq / n) - math.log(expected)) ** 2
             else:
                 assert pred.signal is not None, "predict(..., keep_signal=True) for the likelihood variant"
                 cross = 0.0
-                if pred.signal[k] is not None:
-                    idx, sig = pred.signal[k]
-                    part = o["x"] if idx is None else o["x"].index_select(0, idx.to(o["x"].device))
+                kept_signal = pred.signal[k]
+                if kept_signal is not None:
+                    idx, sig = kept_signal
+                    part = o.x if idx is None else o.x.index_select(0, idx.to(o.x.device))
                     cross = (part.double().cpu() * sig).sum().item()
-                residual = o["sq"] - 2 * cross + pred.signal_energy[k]
+                residual = o.sq - 2 * cross + pred.signal_energy[k]
                 total += n * math.log(s) + residual / (2 * s * s)
         return total
 

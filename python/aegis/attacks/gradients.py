@@ -1,4 +1,4 @@
-"""What one FedSGD client shares: the gradient of its batch loss (attacks.md §1.1)."""
+"""What one FedSGD client shares: the gradient of its batch loss (DESIGN §6)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,4 +1,4 @@
-"""Adaptive attacker for frozen attention: DAGER retargeted to the MLP input projection (attacks.md §1.13).
+"""Adaptive attacker for frozen attention: DAGER retargeted to the MLP input projection (DESIGN §6.2).
 
 The first block's MLP input projection (GPT-2 ``c_fc``, LLaMA ``gate_proj``/``up_proj``, BERT
 ``intermediate.dense``) obeys the same span lemma as the attention projections, with input
@@ -16,7 +16,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from ..models import is_decoder
+from ..models import input_embedding, is_decoder
 from .span import Rule, Span, Threshold, assemble, decode, grow, layer_spans, module_input, repeats
 
 
@@ -52,18 +52,19 @@ def mlp_attack(
     beam: int | None = None,
 ) -> list[str]:
     """Prefix extension scanning the whole vocabulary against the block-1 MLP-input span."""
-    if span is None or not is_decoder(model):
+    if span is None or probe is None or not is_decoder(model):
         return []
     scan = _scanner(model, probe)
-    limit = max_len or getattr(model.config, "max_position_embeddings", 512)
+    limit = max_len or int(getattr(getattr(model, "config", None), "max_position_embeddings", 512))
     pad = tokenizer.pad_token_id
+    device = input_embedding(model).weight.device
 
     def extend(prefixes):
         out = []
         for prefix in prefixes:
             known = None
             if not rule.exact and prefix:
-                known = module_input(model, probe, torch.tensor([prefix], device=model.device))[0]
+                known = module_input(model, probe, torch.tensor([prefix], device=device))[0]
             r = span.residual(scan(prefix), known)
             ok = rule(r)
             if pad is not None:
@@ -94,7 +95,8 @@ def _scanner(model: nn.Module, probe: str):
     warnings.warn(
         f"mlp_span: no fast path for {type(model).__name__}; scanning with full forwards (slow)", stacklevel=2
     )
-    vocab = torch.arange(model.get_input_embeddings().num_embeddings, device=model.device)[:, None]
+    table = input_embedding(model)
+    vocab = torch.arange(table.num_embeddings, device=table.weight.device)[:, None]
 
     def full(prefix):
         ids = torch.cat([torch.tensor(prefix, dtype=torch.long, device=vocab.device).expand(len(vocab), -1), vocab], 1)

@@ -1,6 +1,6 @@
 """Span machinery shared by the three span attacks: ``dager``, ``mlp_span`` and ``spectral``.
 
-The lemma every one of them uses (attacks.md §1.2): for a linear layer applied row-wise to inputs u_t,
+The lemma every one of them uses (DESIGN §6.2): for a linear layer applied row-wise to inputs u_t,
 each row of the weight gradient is a combination of the u_t, so the gradient's row space is the span of the
 layer's inputs whenever there are fewer of them than the input width. A candidate input belongs to the
 batch iff its unit-normalised residual against that span is ~0.
@@ -22,6 +22,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from ..models import input_embedding
 
 RANK_CUTOFF = 20  # DAGER's rank_cutoff: the basis never exceeds min(shape) - 20 directions
 _LAYER = r"(?:^|\.)(?:h|layers|layer|blocks)\.(\d+)\."
@@ -249,9 +251,8 @@ def module_input(model: nn.Module, module_name: str, input_ids: Tensor, chunk: i
 
 def token_inputs(model: nn.Module, module_name: str, position: int, token_type: int | None = None) -> Tensor:
     """Layer input of every vocabulary token alone at ``position`` (context-free at the first block): (V, d)."""
-    vocab = model.get_input_embeddings().num_embeddings
-    device = model.get_input_embeddings().weight.device
-    ids = torch.arange(vocab, device=device)[:, None]
+    table = input_embedding(model)
+    ids = torch.arange(table.num_embeddings, device=table.weight.device)[:, None]
     kw = {"position_ids": torch.full_like(ids, position)}
     if token_type is not None:
         kw["token_type_ids"] = torch.full_like(ids, token_type)
@@ -260,7 +261,7 @@ def token_inputs(model: nn.Module, module_name: str, position: int, token_type: 
 
 def position_free(model: nn.Module, module_name: str) -> bool:
     """True when the first block's input does not depend on the position (RoPE models: LLaMA, Mistral …)."""
-    emb = model.get_input_embeddings()
+    emb = input_embedding(model)
     ids = torch.arange(8, device=emb.weight.device)[:, None] * 997 % emb.num_embeddings
     at = [module_input(model, module_name, ids, position_ids=torch.full_like(ids, p)) for p in (0, 3)]
     return torch.allclose(at[0], at[1])
@@ -282,7 +283,7 @@ Extend = Callable[[list[tuple[int, ...]]], list[tuple[list[int], list[float]]]]
 
 
 def grow(extend: Extend, max_len: int, beam: int, rule: Rule) -> list[Found]:
-    """Causal decoding by prefix extension (attacks.md §1.6).
+    """Causal decoding by prefix extension (DESIGN §6.2).
 
     ``extend(prefixes)`` returns, per prefix, the next tokens ``rule`` accepted and their residuals. A
     prefix with no accepted (and ``rule.consistent``) extension is a finished sentence; different batch

@@ -221,12 +221,12 @@ def spectral(
     ``search_budget`` only concern the flooded-attention path."""
     # exact channels: the exact attacks (DAGER, or mlp_span when attention is frozen)
     weights = mlp_weights(model)
-    mats = {n: gradient_matrix(model, grads, n) for _, n in weights}
-    present = [(layer, n) for layer, n in weights if mats[n] is not None]
+    mats = {n: m for _, n in weights if (m := gradient_matrix(model, grads, n)) is not None}
+    present = [(layer, n) for layer, n in weights if n in mats]
     attention = layer_spans(model, grads, "attention", (0, 1), "numerical")
     if all(span is not None for span, _ in attention):
         att_mats = [gradient_matrix(model, grads, n) for n in _attention_names(model, 0)]
-        if att_mats and all(m is not None for m in att_mats) and all(_is_exact(m) for m in att_mats):
+        if att_mats and all(m is not None and _is_exact(m) for m in att_mats):
             from .dager import dager
 
             return dager(model, grads, tokenizer, batch_size)
@@ -305,11 +305,11 @@ def _decode(model, probes, tokenizer, batch_size, z_accept, min_layers, shortlis
         # 2. every MLP weight of every block, for the shortlist and the reference tokens
         got = capture(torch.tensor([list(prefix) + [c] for c in pool], device=device))
         n_c = len(cands)
-        zs = []
+        z_rows = []
         for p in probes:
             q = _quad(p, got[p.name][:, i], deflate[p.name])
-            zs.append(_standardise(q[:n_c], q[n_c:]))
-        zs = torch.stack(zs)  # (probes, candidates)
+            z_rows.append(_standardise(q[:n_c], q[n_c:]))
+        zs = torch.stack(z_rows)  # (probes, candidates)
         combined = zs.sum(0) / math.sqrt(len(probes))
         per_layer = torch.stack([zs[[k for k, p in enumerate(probes) if p.layer == layer]].mean(0) for layer in layers])
         agree = (per_layer > 2).sum(0)

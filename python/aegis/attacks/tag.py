@@ -1,6 +1,6 @@
 """TAG-style optimisation attack (Deng et al., Findings of EMNLP 2021), re-implemented from the spec.
 
-Spec: ``shared/reference/attacks.md`` §2.1–2.2 (no code copied). The server optimises dummy input *embeddings*
+Spec: DESIGN §6.3 (no code copied). The server optimises dummy input *embeddings*
 (``inputs_embeds``, so the token lookup is bypassed) and dummy labels until the gradient they produce matches the
 shared one:
 
@@ -26,24 +26,15 @@ else from ``seq_len``.
 from __future__ import annotations
 
 import math
-import re
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..models import input_embedding, is_decoder
+
 __all__ = ["tag", "tag_tokens"]
-
-
-def _is_decoder(model: nn.Module) -> bool:
-    try:
-        from aegis.models import is_decoder
-
-        return bool(is_decoder(model))
-    except Exception:
-        cfg = getattr(model, "config", None)
-        return bool(getattr(cfg, "is_decoder", False)) or bool(re.search(r"CausalLM|LMHeadModel", type(model).__name__))
 
 
 def _usable(g) -> Tensor | None:
@@ -132,12 +123,11 @@ def tag_tokens(
     """Run the optimisation and return the recovered token ids, one list per sequence (``[]`` if nothing to match)."""
     if not grads or batch_size < 1 or steps < 0:
         return []
-    emb_mod = model.get_input_embeddings()
-    E = emb_mod.weight
+    E = input_embedding(model).weight
     params, targets = _targets(model, grads, skip={id(E)})
     if not params:
         return []
-    decoder = _is_decoder(model)
+    decoder = is_decoder(model)
     B = int(batch_size)
     L = max(_seq_len(model, grads, seq_len), 2 if decoder else 1)
     device = E.device
@@ -169,14 +159,12 @@ def tag_tokens(
     def dummy_loss():
         out = model(inputs_embeds=x.to(E.dtype), attention_mask=mask)
         logits = out.logits.float()
+        if y_logits is None:  # a decoder's coupled labels: label t = soft nearest token of input t+1
+            q = torch.softmax(F.normalize(x[:, 1:], dim=-1) @ E_unit.T / temperature, dim=-1)
+        else:
+            q = torch.softmax(y_logits, dim=-1)
         if decoder:
-            if y_logits is None:  # coupled: label t = soft nearest token of input t+1
-                q = torch.softmax(F.normalize(x[:, 1:], dim=-1) @ E_unit.T / temperature, dim=-1)
-            else:
-                q = torch.softmax(y_logits, dim=-1)
-            logp = torch.log_softmax(logits[:, :-1], dim=-1)
-            return -(q * logp).sum(-1).mean()
-        q = torch.softmax(y_logits, dim=-1)
+            logits = logits[:, :-1]
         return -(q * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
 
     best, best_x = float("inf"), x.detach().clone()
