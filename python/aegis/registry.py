@@ -125,8 +125,8 @@ def parse_defence(name: str, option: str = "defence") -> DefenceSpec:
     if match := _NUMBERED.fullmatch(text):
         kind = DefenceKind(match["kind"])
         if kind is DefenceKind.DP_NOISE:
-            return DefenceSpec(given, kind=kind, sigma=_number(option, given, match["value"], "SIGMA", None,
-                                                                       "dp-noise-0.01"))
+            sigma = _number(option, given, match["value"], "SIGMA", None, "dp-noise-0.01")
+            return DefenceSpec(given, kind=kind, sigma=sigma)
         default = DEFAULT_SOTERIA_PERCENT if kind is DefenceKind.SOTERIA else None
         percent = _number(option, given, match["value"], "PERCENT", default, f"{kind.value}-90")
         if percent > 100:
