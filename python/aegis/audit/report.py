@@ -283,6 +283,30 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
         "</head><body><h1>AEGIS audit</h1>"
     ]
     parts.append(
+        f"<p>Data: {_e(data.get('source', ''))}; validation: {_e(data.get('validation', ''))}. "
+        f"{config.get('clients')} clients, {config.get('rounds')} rounds, batch {config.get('batch_size')}, "
+        f"seed {config.get('seed')}. {'' if report.complete else '<b>Incomplete run</b>: the rows below finished. '}"
+        f"{meta.get('seconds', 0):.0f} s.</p>"
+    )
+    parts.append(
+        "<h2>Verdicts</h2><table><tr><th>model</th><th>defence</th><th>privacy verdict</th>"
+        "<th>utility verdict</th><th>recommendation</th><th>utility</th><th>undefended</th><th>untrained</th>"
+        "<th>chance</th><th>DP ε</th></tr>"
+    )
+    for a in advice(report, lambda kind, text: f"<span class='{kind}'>{_e(text)}</span>", _e):
+        u = report.utility_of(a.model, a.defence)
+        none = report.utility_of(a.model, "none")
+        eps = "–" if u is None or u.epsilon is None else f"{u.epsilon:.2f} (δ {u.delta:g})"
+        parts.append(
+            f"<tr><td>{_e(a.model)}</td><td>{_e(a.defence)}</td><td class='privacy'>{a.privacy}</td>"
+            f"<td class='utility'>{_utility_cell(a.utility)}</td>"
+            f"<td class='advice'><span class='{a.kind}'>{_e(a.recommendation)}</span></td>"
+            f"<td>{_e(utility_text(u))}</td>"
+            f"<td>{_e(utility_text(none))}</td><td>{_e(utility_text(_Ref(u.metric, u.before)) if u else '–')}</td>"
+            f"<td>{'–' if u is None or u.chance is None else f'{u.chance:.2f}'}</td><td>{eps}</td></tr>"
+        )
+    parts.append("</table>")
+    parts.append(
         "<div class='how'><b>How to read this.</b> Each defence trained the models federatedly; the server kept "
         f"every gradient a client shared and attacked {_scope(config)} gradients. A defence "
         f"<span class='holds'>holds</span> when every attack stays within {MARGIN} of its <i>null baseline</i> "
@@ -308,30 +332,6 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
         "the secret-completion attack reads K = the configuration's exposure budget jointly and then checks that "
         "the shield refuses export K + 1.</div>"
     )
-    parts.append(
-        f"<p>Data: {_e(data.get('source', ''))}; validation: {_e(data.get('validation', ''))}. "
-        f"{config.get('clients')} clients, {config.get('rounds')} rounds, batch {config.get('batch_size')}, "
-        f"seed {config.get('seed')}. {'' if report.complete else '<b>Incomplete run</b>: the rows below finished. '}"
-        f"{meta.get('seconds', 0):.0f} s.</p>"
-    )
-    parts.append(
-        "<h2>Verdicts</h2><table><tr><th>model</th><th>defence</th><th>privacy verdict</th>"
-        "<th>utility verdict</th><th>recommendation</th><th>utility</th><th>undefended</th><th>untrained</th>"
-        "<th>chance</th><th>DP ε</th></tr>"
-    )
-    for a in advice(report, lambda kind, text: f"<span class='{kind}'>{_e(text)}</span>", _e):
-        u = report.utility_of(a.model, a.defence)
-        none = report.utility_of(a.model, "none")
-        eps = "–" if u is None or u.epsilon is None else f"{u.epsilon:.2f} (δ {u.delta:g})"
-        parts.append(
-            f"<tr><td>{_e(a.model)}</td><td>{_e(a.defence)}</td><td class='privacy'>{a.privacy}</td>"
-            f"<td class='utility'>{_utility_cell(a.utility)}</td>"
-            f"<td class='advice'><span class='{a.kind}'>{_e(a.recommendation)}</span></td>"
-            f"<td>{_e(utility_text(u))}</td>"
-            f"<td>{_e(utility_text(none))}</td><td>{_e(utility_text(_Ref(u.metric, u.before)) if u else '–')}</td>"
-            f"<td>{'–' if u is None or u.chance is None else f'{u.chance:.2f}'}</td><td>{eps}</td></tr>"
-        )
-    parts.append("</table>")
     if plot_name:
         parts.append(f"<img src='{_e(plot_name)}' alt='privacy/utility plot' style='max-width:100%'>")
     parts.append(
