@@ -114,6 +114,18 @@ def test_every_defence_row_of_the_page_has_both_verdicts_and_a_recommendation(tm
     assert "leaks" in rows["prune-90"]["privacy"] and rows["prune-90"]["utility"].startswith("trains")
 
 
+def test_report_json_carries_the_utility_verdicts(tmp_path):
+    import json
+
+    from aegis.audit.report import ReportWriter
+
+    ReportWriter(tmp_path).save(_report(PPL))
+    rows = {a["defence"]: a for a in json.loads((tmp_path / "report.json").read_text())["advice"]}
+    assert set(rows) == set(PPL)
+    assert rows["aegis-verification"]["trains"] is False and rows["aegis-verification"]["utility_ratio"] > 13
+    assert rows["dp-sgd-C1-z1"]["recommendation"] == "use: private and trains"
+
+
 def test_the_terminal_table_carries_the_same_three_verdicts():
     from aegis.cli import results_tables
 

@@ -24,12 +24,23 @@ TEXT_METRIC = "rouge1"
 # -- report.json ---------------------------------------------------------------------------------------------------
 
 
+def report_json(report: AuditReport) -> dict:
+    """``report.json``: the report's records, and per defence its utility verdict and recommendation."""
+    data = report.to_json()
+    data["advice"] = [
+        {"model": a.model, "defence": a.defence, "trains": a.utility.trains, "utility_ratio": a.utility.ratio,
+         "utility_verdict": a.utility.text(), "recommendation": a.recommendation, "kind": a.kind}
+        for a in advice(report)
+    ]
+    return data
+
+
 class ReportWriter(OutputFolder):
     """Writes the audit's report into ``folder`` (or, when that fails, a temporary folder it names)."""
 
     def save(self, report: AuditReport) -> Path:
         def write(folder: Path) -> Path:
-            write_json(report.to_json(), folder / "report.json")
+            write_json(report_json(report), folder / "report.json")
             return folder / "report.json"
 
         return self.write(write)
@@ -38,7 +49,7 @@ class ReportWriter(OutputFolder):
         """report.json, privacy_utility.png and report.html."""
 
         def write(folder: Path) -> list[Path]:
-            write_json(report.to_json(), folder / "report.json")
+            write_json(report_json(report), folder / "report.json")
             plot(report, folder / "privacy_utility.png")
             write_html(report, folder / "report.html", plot_name="privacy_utility.png")
             return [folder / "report.json", folder / "privacy_utility.png", folder / "report.html"]
