@@ -28,7 +28,8 @@ from aegis.fl.secure import REFUSAL as GUARD_REFUSAL
 from aegis.fl.secure import SurvivorPin
 from aegis.fl.secure_app import PIN_ENV, node_pin, secure_settings
 from aegis.fl.secure_record import RECORD_ENV
-from aegis.fl.secure_rounds import SecAggPlus, run_secure_rounds
+from aegis.fl.secure_rounds import run_secure_rounds
+from aegis.fl.secure_server import SecAggPlus
 from aegis.fl.simulation import flower_runtime, simulate
 from test_secure_fl import assert_sum_to_quantisation, data, tiny_gpt2
 

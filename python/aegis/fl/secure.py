@@ -150,7 +150,7 @@ def check_quantisation(*, clipping_range: float, quantization_range: int, modulu
         raise ValueError(
             f"clipping_range={clipping_range}: the update's entries reach {bound:.4g} (signal + {CLIP_SDS:g} sd of "
             f"the noise share) and SecAgg+ would clip them silently; use SecAggPlusWorkflow(clipping_range >= "
-            f"{bound:.4g}) (aegis.fl.secure_rounds.required_clipping_range)"
+            f"{bound:.4g}) (aegis.fl.secure_server.required_clipping_range)"
         )
 
 

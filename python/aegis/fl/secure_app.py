@@ -3,7 +3,7 @@
 :mod:`aegis.fl.server_app` and :mod:`aegis.fl.client_app` hand a secure run to this module:
 
 * :func:`server_main` runs Flower's ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))`` with
-  :class:`~aegis.fl.secure_rounds.SecureStrategy` on the app's decoder (:mod:`aegis.fl.task`), FedSGD or
+  :class:`~aegis.fl.secure_server.SecureStrategy` on the app's decoder (:mod:`aegis.fl.task`), FedSGD or
   FedAvg (``aggregation``), the reconstruction threshold ``min-survivors``, a clipping range that covers
   the clients' updates, and validation loss after every round.
 * :func:`client_train` is the train function of a node that pins its survivor count itself: from its
@@ -38,7 +38,7 @@ from . import secagg_patch
 from .client import config_from_run_config, refuse, trainable_arrays
 from .secure import MAX_WEIGHT, SecureGuard, SecureTrainer, SurvivorPin, check_quantisation
 from .secure_record import ClientRecord, RecordingGrid, ServerRecord
-from .secure_rounds import SecAggPlus, SecureStrategy, required_clipping_range
+from .secure_server import SecAggPlus, SecureStrategy, required_clipping_range
 from .task import DEFAULT_RUN_CONFIG, decoder, train_batches, validation_batches, validation_loss
 
 # Run config keys of a secure run (the server's choices) and their defaults.

@@ -1,16 +1,9 @@
 """Secure FedSGD / FedAvg rounds over Flower's SecAgg+ in this process, every message serialised.
 
-:func:`run_secure_rounds` drives Flower's ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))`` with
-:class:`SecureStrategy` (a legacy strategy: SecAgg+ has no Message-API strategy) over a
-:class:`SerialisingGrid`, whose clients are :class:`~aegis.fl.secure.SecureTrainer` under
-``[SecureGuard, secaggplus_mod]``. The grid passes each message and reply through Flower's protobuf
-serde, as a real transport does: the workflow hands one record object to every node and
-``secaggplus_mod`` edits it in place, so without a copy every client after the first fails; the bytes
-are also the server's wire, kept for the audit.
-
-The strategy receives the weighted mean of the survivors' updates (every weight is 1: the plain mean)
-and steps the global model: FedSGD with a server optimizer on the mean gradient, FedAvg with
-``global - lr * mean pseudo-gradient`` (the mean of the local models).
+:func:`run_secure_rounds` drives Flower's ``DefaultWorkflow(fit_workflow=SecAggPlus(...))`` with
+:class:`~aegis.fl.secure_server.SecureStrategy` over a :class:`~aegis.fl.simulation.SerialisingGrid`,
+whose clients are :class:`~aegis.fl.secure.SecureTrainer` under ``[SecureGuard, secaggplus_mod]``;
+the grid's bytes are the server's wire, kept for the audit.
 """
 from __future__ import annotations
 
@@ -20,18 +13,13 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 from flwr.app import Context, Message, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
-from flwr.common import FitIns, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
-from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.server import LegacyContext, ServerConfig
-from flwr.server.strategy import Strategy
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from torch import Tensor, nn
 
@@ -44,136 +32,16 @@ from .accountant import PrivacyStatement, noise_multiplier, statement
 from .client import trainable_arrays
 from .secure import (
     MAX_WEIGHT,
-    REPLY_FIELDS,
     SecureGuard,
     SecureTrainer,
     SurvivorPin,
     check_quantisation,
-    entry_bound,
-    noise_share,
 )
-from .simulation import FIRST_NODE_ID, SUPERLINK_NODE_ID, InProcessGrid, flower_log_level, flower_runtime
+from .secure_server import SecAggPlus, SecureStrategy, required_clipping_range
+from .simulation import FIRST_NODE_ID, SUPERLINK_NODE_ID, SerialisingGrid, flower_log_level, flower_runtime
 
-
-class SerialisingGrid(InProcessGrid):
-    """An :class:`InProcessGrid` that serialises every message and reply (Flower's protobuf serde).
-
-    ``wire`` keeps the serialised replies as the server received them: (node, stage, bytes);
-    ``instruction_bytes`` counts the serialised messages it sent."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.wire: list[tuple[int, str, bytes]] = []
-        self.instruction_bytes = 0
-        self.set_run(SimpleNamespace(run_id=0))  # the legacy client manager reads grid.run.run_id only
-
-    def push_messages(self, messages):
-        sent = []
-        for msg in messages:
-            proto = message_to_proto(msg)
-            self.instruction_bytes += proto.ByteSize()
-            sent.append(message_from_proto(proto))
-        return super().push_messages(sent)
-
-    def pull_messages(self, message_ids):
-        replies = []
-        for reply in super().pull_messages(message_ids):
-            data = message_to_proto(reply).SerializeToString()
-            self.wire.append((reply.metadata.src_node_id, reply_stage(reply), data))
-            replies.append(_round_trip(reply))
-        return replies
-
-
-def _round_trip(msg: Message) -> Message:
-    return message_from_proto(message_to_proto(msg))
-
-
-def reply_stage(msg: Message) -> str:
-    if msg.has_error():
-        return "error"
-    configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
-    fields = set() if configs is None else set(configs.keys())
-    return next((stage for stage, expected in REPLY_FIELDS.items() if fields == expected), "?")
-
-
-class SecAggPlus(SecAggPlusWorkflow):
-    """Flower's ``SecAggPlusWorkflow``, where a node that drops before sharing its keys leaves the round.
-
-    Flower 1.42 keeps such a node among the sampled ones, so its unmask stage asks every survivor for
-    a share of that node's key, which none holds (``secaggplus_mod`` raises ``KeyError``), and the
-    round halts. No survivor's vector carries a mask with it (clients add pairwise masks only for the
-    nodes whose shares reached them), so it is taken out of the round and of every neighbourhood."""
-
-    def share_keys_stage(self, grid, context, state) -> bool:
-        if not super().share_keys_stage(grid, context, state):
-            return False
-        kept = set(state.active_node_ids)
-        state.sampled_node_ids = kept
-        for nid in kept:
-            state.nid_to_neighbours[nid] &= kept
-        return True
-
-
-class SecureStrategy(Strategy):
-    """Legacy strategy for SecAgg+: every sampled client, the survivors' mean update, a global step.
-
-    algorithm:  "fedsgd" (server optimizer "sgd" | "adamw" at ``lr`` on the mean gradient) or "fedavg"
-                (clients take ``local_steps`` SGD steps at ``lr``; the server moves to the mean local model).
-    ``aggregates[r]`` is round r's mean update as the server received it; ``survivors[r]`` its count."""
-
-    def __init__(self, initial: Sequence[np.ndarray], *, algorithm: str = "fedsgd", optimizer: str = "sgd",
-                 lr: float = 0.1, local_steps: int = 1, min_clients: int = 2,
-                 on_round: Callable[[int, list[np.ndarray]], None] | None = None) -> None:
-        if algorithm not in ("fedsgd", "fedavg"):
-            raise ValueError(f"algorithm={algorithm!r}: use 'fedsgd' or 'fedavg'")
-        if optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"optimizer={optimizer!r}: use 'sgd' or 'adamw'")
-        self.algorithm, self.lr, self.local_steps, self.min_clients = algorithm, lr, local_steps, min_clients
-        self.params = [torch.nn.Parameter(torch.from_numpy(np.array(a, dtype=np.float32))) for a in initial]
-        make = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
-        self.optimizer = make(self.params, lr=lr)
-        self.on_round = on_round
-        self.aggregates: dict[int, list[np.ndarray]] = {}
-        self.survivors: dict[int, int] = {}
-
-    def _parameters(self) -> Parameters:
-        return ndarrays_to_parameters([p.detach().numpy().copy() for p in self.params])
-
-    def initialize_parameters(self, client_manager):
-        return self._parameters()
-
-    def configure_fit(self, server_round, parameters, client_manager):
-        clients = client_manager.sample(num_clients=client_manager.num_available(), min_num_clients=self.min_clients)
-        config = {"server-round": server_round, "algorithm": self.algorithm, "lr": self.lr,
-                  "local-steps": self.local_steps}
-        return [(c, FitIns(parameters, dict(config))) for c in clients]
-
-    def aggregate_fit(self, server_round, results, failures):
-        if not results:
-            return None, {}
-        mean = parameters_to_ndarrays(results[0][1].parameters)  # every survivor carries the same mean
-        self.aggregates[server_round], self.survivors[server_round] = mean, len(results)
-        if self.algorithm == "fedavg":
-            with torch.no_grad():
-                for p, m in zip(self.params, mean):
-                    p.sub_(torch.from_numpy(np.asarray(m, dtype=np.float32)), alpha=self.lr)
-        else:
-            for p, m in zip(self.params, mean):
-                p.grad = torch.from_numpy(np.asarray(m, dtype=np.float32))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        if self.on_round is not None:
-            self.on_round(server_round, [p.detach().numpy().copy() for p in self.params])
-        return self._parameters(), {}
-
-    def configure_evaluate(self, server_round, parameters, client_manager):
-        return []
-
-    def aggregate_evaluate(self, server_round, results, failures):
-        return None, {}
-
-    def evaluate(self, server_round, parameters):
-        return None
+__all__ = ["SecAggPlus", "SecureRun", "SecureStrategy", "SerialisingGrid", "required_clipping_range",
+           "run_secure_rounds"]
 
 
 @dataclass
@@ -215,16 +83,6 @@ class SecureRun:
             if worst is None or found.epsilon > worst.epsilon:
                 worst = found
         return worst if worst is not None else statement(math.inf, 0, delta=delta)
-
-
-def required_clipping_range(model: nn.Module, pin: SurvivorPin, config: AegisConfig | None = None,
-                            local_steps: int = 1, margin: float = 2.0) -> float:
-    """A clipping range for ``SecAggPlusWorkflow`` that covers an update of this model (public
-    calibration at its current weights), ``margin`` times the bound the clients check."""
-    # the server's copy only calibrates: it masks nothing, so it tracks no exposure
-    shield = protect(_copy(model), None, (config or AegisConfig()).replace(exposure=ExposurePolicy.OFF))
-    with noise_share(shield, pin.share) as table:
-        return margin * entry_bound([table] * local_steps)
 
 
 def run_secure_rounds(

@@ -4,6 +4,9 @@
   what ``flwr run`` does with a simulation federation, minus the transport.
 * :class:`InProcessGrid` hands each message to a ClientApp in this process; it is also the
   honest-but-curious server's wire (every reply is kept), which :func:`aegis.fl.run_rounds` reads.
+* :class:`SerialisingGrid` also passes every message and reply through Flower's protobuf serde, as a
+  transport does (secure rounds need it: ``secaggplus_mod`` edits the record the workflow shares
+  between nodes, so without a copy every client after the first fails).
 * :func:`flower_runtime` stands in for Flower's ServerApp runtime: it sets the task identity that
   instruction Messages read. It is the one place that touches a Flower internal (``flwr.supercore``).
 """
@@ -14,12 +17,16 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.serverapp import Grid
 
 from .client import CLIENT_APP_RAISED_EXCEPTION, server_round_of
+from .secure import REPLY_FIELDS
 
 SUPERLINK_NODE_ID = 1  # Flower's node id for the server side (flwr.common.constant, not public API)
 FIRST_NODE_ID = 1000  # in-process SuperNodes get ids 1000, 1001, ...
@@ -115,6 +122,47 @@ class InProcessGrid(Grid):
         return self.pull_messages(self.push_messages(messages))
 
 
+class SerialisingGrid(InProcessGrid):
+    """An :class:`InProcessGrid` that serialises every message and reply (Flower's protobuf serde).
+
+    ``wire`` keeps the serialised replies as the server received them: (node, stage, bytes);
+    ``instruction_bytes`` counts the serialised messages it sent."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.wire: list[tuple[int, str, bytes]] = []
+        self.instruction_bytes = 0
+        self.set_run(SimpleNamespace(run_id=0))  # the legacy client manager reads grid.run.run_id only
+
+    def push_messages(self, messages):
+        sent = []
+        for msg in messages:
+            proto = message_to_proto(msg)
+            self.instruction_bytes += proto.ByteSize()
+            sent.append(message_from_proto(proto))
+        return super().push_messages(sent)
+
+    def pull_messages(self, message_ids):
+        replies = []
+        for reply in super().pull_messages(message_ids):
+            data = message_to_proto(reply).SerializeToString()
+            self.wire.append((reply.metadata.src_node_id, reply_stage(reply), data))
+            replies.append(_round_trip(reply))
+        return replies
+
+
+def _round_trip(msg: Message) -> Message:
+    return message_from_proto(message_to_proto(msg))
+
+
+def reply_stage(msg: Message) -> str:
+    if msg.has_error():
+        return "error"
+    configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+    fields = set() if configs is None else set(configs.keys())
+    return next((stage for stage, expected in REPLY_FIELDS.items() if fields == expected), "?")
+
+
 @contextlib.contextmanager
 def flower_log_level(level: int | None) -> Iterator[None]:
     """Set the ``flwr`` logger's level for the block (None: leave it)."""
@@ -151,11 +199,8 @@ def simulate(num_supernodes: int = 2, run_config: Mapping[str, Any] | None = Non
         )
         for i, node in enumerate(nodes)
     }
-    grid_type = InProcessGrid
-    if is_secure(config):  # secaggplus_mod edits the record the workflow shares between nodes: serialise
-        from .secure_rounds import SerialisingGrid
-
-        grid_type = SerialisingGrid
+    # secaggplus_mod edits the record the workflow shares between nodes: a secure run needs serialising
+    grid_type = SerialisingGrid if is_secure(config) else InProcessGrid
     grid = grid_type({node: client_app for node in nodes}, contexts)
     server_context = Context(run_id=0, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(),
                              run_config=config)
