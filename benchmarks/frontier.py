@@ -36,7 +36,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -223,8 +223,10 @@ class Frontier:
     def _calibration(self, model):
         return text_loss(model, self.tok, PUBLIC_TEXTS, shape=(8, 64))
 
-    def attack(self, s: Setting, k: int) -> dict:
-        """Every attack on the mean of ``k`` exports of the pretrained model, with its null."""
+    def attack(self, s: Setting, k: int, out: dict, save) -> None:
+        """Every attack on the mean of ``k`` exports of the pretrained model, with its null, into ``out``:
+        one attack at a time (cheapest first), ``save()``d after each, so a run cut short keeps the finished
+        ones."""
         b = s.batch
         n = min(4, max(1, -(-self.args.attack_texts // b)))
         batches = [self.train[i * b : (i + 1) * b] for i in range(n)]
@@ -236,24 +238,25 @@ class Frontier:
         shield = None if config is None else aegis.protect(model, config=config,
                                                            calibration_loss=self._calibration(model))
         public = {} if shield is None else shield.public_params()
-        out: dict = {a: {"references": batches, "predictions": [], "null_predictions": [], "seconds": 0.0}
-                     for a in TEXT_ATTACKS}
-        for j, texts in enumerate(batches):
-            grads = averaged_export(lambda t=texts: shared_gradient(model, t, self.tok, shield=shield), k)
-            null = null_gradient(grads, self.args.seed + j)
-            for name, attack in TEXT_ATTACKS.items():
-                kw = {"public": public, "exposures": k} if name == "spectral" else {}
-                t0 = time.perf_counter()
-                out[name]["predictions"].append(attack(model, grads, self.tok, b, **kw))
-                out[name]["null_predictions"].append(attack(model, null, self.tok, b, **kw))
-                out[name]["seconds"] += round(time.perf_counter() - t0, 2)
-        for point in out.values():  # bag of words: the share of the batch's distinct tokens recovered
+        exports = [averaged_export(lambda t=texts: shared_gradient(model, t, self.tok, shield=shield), k)
+                   for texts in batches]
+        nulls = [null_gradient(g, self.args.seed + j) for j, g in enumerate(exports)]
+        for name, attack in TEXT_ATTACKS.items():
+            kw = {"public": public, "exposures": k} if name == "spectral" else {}
+            t0 = time.perf_counter()
+            point = {"references": batches,
+                     "predictions": [attack(model, g, self.tok, b, **kw) for g in exports],
+                     "null_predictions": [attack(model, g, self.tok, b, **kw) for g in nulls]}
+            point["seconds"] = round(time.perf_counter() - t0, 2)
+            # bag of words: the share of the batch's distinct tokens recovered
             point["token_recall"] = _mean([token_recall(p, r, self.tok) for p, r in zip(point["predictions"], batches)])
             point["null_token_recall"] = _mean([token_recall(p, r, self.tok)
                                                 for p, r in zip(point["null_predictions"], batches)])
+            out[name] = point
+            save()
         if s.verify and k == 1:
             out["verification"] = self._verify(s, k)
-        return out
+            save()
 
     def _verify(self, s: Setting, k: int) -> dict:
         """1-of-N "my pin is ____" (with B - 1 known train sentences), over ``--trials`` exports."""
@@ -283,8 +286,8 @@ class Frontier:
         if "attack" in parts:
             row["attacks"] = {}
             for k in s.exposures:
-                row["attacks"][f"K={k}"] = self.attack(s, k)
-                save(row)
+                out = row["attacks"][f"K={k}"] = {}
+                self.attack(s, k, out, lambda: save(row))
         row["seconds"] = round(time.perf_counter() - start, 1)
         save(row)
         return row
@@ -309,6 +312,8 @@ def score(rows: list[dict]) -> bool:
     for row in rows:
         for point in row.get("attacks", {}).values():
             for name in TEXT_ATTACKS:
+                if name not in point:  # a run cut short
+                    continue
                 p = point[name]
                 refs = p["references"]
                 p["score"] = _mean([rouge(x, r)["rouge1"] for x, r in zip(p["predictions"], refs)])
@@ -324,7 +329,8 @@ def table(rows: list[dict]) -> str:
     """Markdown table: one line per setting and K."""
     base = {r["setting"]["batch"]: r["perplexity"]["best"] for r in rows
             if r["setting"]["attention"] == "clean" and r["setting"]["lr"] == 2e-4 and "perplexity" in r}
-    head = ("| setting | best ppl (x undefended) | final | K | DAGER | emb. bag (recall) | mlp_span | spectral "
+    head = ("| setting | best ppl (x undefended) | final | K | DAGER | emb. bag (recall) | mlp_span "
+            "| spectral (recall) "
             "| verif. 1-of-40 |\n|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
@@ -338,14 +344,16 @@ def table(rows: list[dict]) -> str:
                 lines.append(f"| {r['key']} | {best} | {final} | | not run | | | | |")
                 continue
 
-            def cell(name, a=a):
-                p = a[name]
-                return f"{p['score']:.2f} / {p['null']:.2f}" if "score" in p else "unscored"
+            def cell(name, a=a, recall=False):
+                p = a.get(name)
+                if p is None:
+                    return "not run"
+                got = f"{p['score']:.2f} / {p['null']:.2f}" if "score" in p else "unscored"
+                return got + (f" ({p['token_recall']:.2f} / {p['null_token_recall']:.2f})" if recall else "")
 
-            bag = a["embedding_norm"]
             lines.append(f"| {r['key']} | {best} | {final} | {k[2:]} | {cell('dager')} "
-                         f"| {cell('embedding_norm')} ({bag['token_recall']:.2f} / {bag['null_token_recall']:.2f}) "
-                         f"| {cell('mlp_span')} | {cell('spectral')} "
+                         f"| {cell('embedding_norm', recall=True)} "
+                         f"| {cell('mlp_span')} | {cell('spectral', recall=True)} "
                          f"| {_verification(a)} |")
     return "\n".join(lines)
 
@@ -419,18 +427,31 @@ def finish(result: dict, path: Path) -> None:
         plot(result, path.with_suffix(".png"))
 
 
-def merge(folder: Path, primary: str) -> Path:
-    """One result from the shard files in ``folder`` (several runs: ``label``s). Per setting: the perplexity
-    of run ``primary`` (where the baselines ran too) and the other runs' for comparison; the attacks of the
-    run that measured the most of them."""
+def merge(folder: Path, primary: str, base: Path | None = None) -> Path:
+    """One result from the shard files in ``folder`` and, if given, the merged result ``base`` (several runs:
+    ``label``s). Per setting: the perplexity of run ``primary`` (where the baselines ran too) and the other
+    runs' for comparison; per exposure count K, the attacks of run ``primary`` if it measured them, else of
+    the last file that did."""
     shards = sorted(folder.glob("frontier-*.shard*.json"))
     if not shards:
         raise SystemExit(f"--merge: no frontier-*.shard*.json in {folder}")
     parts = [json.loads(p.read_text()) for p in shards]
+    if base is not None:  # an earlier merged result: its rows are one more part (their runs keep their labels)
+        parts.insert(0, json.loads(base.read_text()))
     order = {s.key: i for i, s in enumerate(grid(parts[0]["quick"]))}
     found: dict[str, list[dict]] = {}
     for part in parts:
         for r in part["rows"]:
+            if "run" not in r and "perplexity_run" in r:  # a merged row: split back into its runs
+                found.setdefault(r["key"], []).append({**r, "run": r["perplexity_run"], "attacks": {}})
+                found[r["key"]] += [{"key": r["key"], "setting": r["setting"], "run": run, "perplexity": p}
+                                    for run, p in r.get("perplexity_other_runs", {}).items()]
+                for k, point in r.get("attacks", {}).items():
+                    for name, p in point.items():
+                        run = p.get("run", r.get("attacks_run", ""))
+                        found[r["key"]].append({"key": r["key"], "setting": r["setting"], "run": run,
+                                                "attacks": {k: {name: p}}})
+                continue
             found.setdefault(r["key"], []).append(r)
     rows = []
     for key in sorted(found, key=lambda k: order.get(k, len(order))):
@@ -442,15 +463,26 @@ def merge(folder: Path, primary: str) -> Path:
             row |= {"perplexity": trained[label], "perplexity_run": label,
                     "perplexity_other_runs": {k: {"best": v["best"], "final": v["final"]}
                                               for k, v in trained.items() if k != label}}
-        attacked = [r for r in runs if r.get("attacks")]
-        if attacked:
-            best = max(attacked, key=lambda r: sum(len(a) for a in r["attacks"].values()))
-            row |= {"attacks": best["attacks"], "attacks_run": best.get("run", "")}
+        attacks: dict = {}
+        for r in sorted((r for r in runs if r.get("attacks")), key=lambda r: r.get("run", "") == primary):
+            for k, point in r["attacks"].items():  # per K and attack: run ``primary`` wins, then the later file
+                for name, p in point.items():
+                    attacks.setdefault(k, {})[name] = {**p, "run": p.get("run", r.get("run", ""))}
+        if attacks:
+            row |= {"attacks": dict(sorted(attacks.items(), key=lambda kv: int(kv[0][2:]))),
+                    "attacks_run": sorted({p["run"] for point in attacks.values() for p in point.values()})}
         rows.append(row)
-    result = {**parts[0], "rows": rows, "shards": len(parts), "runs": sorted({r.get("run", "") for p in parts
-                                                                               for r in p["rows"]}),
+    noise: dict[str, str] = {}
+    for part in parts:  # which noise each run's exports carried
+        if isinstance(part["noise"], dict):
+            noise |= part["noise"]
+        else:
+            for run in part.get("runs") or sorted({r.get("run", "") for r in part["rows"]}):
+                noise[run] = part["noise"]
+    result = {**parts[0], "rows": rows, "shards": len(parts), "noise": noise,
+              "runs": sorted({r.get("run", "") for rs in found.values() for r in rs}),
               "complete": all(p["complete"] for p in parts), "elapsed_s": sum(p.get("elapsed_s", 0) for p in parts)}
-    path = folder / (shards[0].name.split(".shard")[0] + ".json")
+    path = base or folder / (shards[0].name.split(".shard")[0] + ".json")
     finish(result, path)
     return path
 
@@ -474,12 +506,14 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cipher", action="store_true", help="the reference cipher instead of keyed randn")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--exposures", help="comma-separated K: the exposure counts attacked (instead of the grid's)")
     parser.add_argument("--merge", type=Path, help="merge the shard files in this folder, then exit")
+    parser.add_argument("--into", type=Path, help="with --merge: fold the shards into this merged result file")
     parser.add_argument("--rescore", type=Path, help="score (ROUGE) and plot a merged result file, then exit")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     if args.merge is not None:
-        print(f"wrote {merge(args.merge, args.label)}")
+        print(f"wrote {merge(args.merge, args.label, args.into)}")
         return
     if args.rescore is not None:
         result = json.loads(args.rescore.read_text())
@@ -509,6 +543,13 @@ def main(argv=None) -> None:
         name_tag = f"-{args.only or 'all'}{args.indices.replace(',', '_')}"
     else:
         name_tag = ""
+    if args.exposures:
+        ks = tuple(int(k) for k in args.exposures.split(","))
+        if min(ks) < 1:
+            parser.error(f"--exposures {args.exposures}: every K must be >= 1")
+        settings = [replace(s, exposures=ks) for s in settings]
+        name_tag += f"-K{args.exposures.replace(',', '_')}"
+        count = max(count, 2)
     parts = ("train", "attack") if args.only is None else (args.only,)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"frontier-{card_tag(card)}-{args.model}"
