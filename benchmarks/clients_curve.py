@@ -49,12 +49,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from aegis_kernels import testing  # keyed randn for CPU floods (benchmarks only; opt-in by environment)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from frontier import ROOT, Frontier, card_tag  # noqa: E402  (puts python/ and the root on sys.path)
 
 from aegis import AegisConfig, ExposurePolicy, Preset, protect  # noqa: E402
 from aegis.accounting import statement  # noqa: E402
+from aegis.defence import LossFn  # noqa: E402
 from aegis.fl.secure import SurvivorPin  # noqa: E402
 from aegis.fl.shortcut import shortcut_sum  # noqa: E402
 
@@ -103,11 +106,47 @@ def grid(args) -> list[Point]:
             + [Point(p, n) for n in sorted(clients, reverse=True) for p in PRESETS])
 
 
+def micro_loss(micro: int) -> LossFn:
+    """A loss function that backpropagates the token-mean LM loss of its batch in micro-batches of ``micro``
+    sentences (each weighted by its share of the predicted tokens, trimmed to its longest sentence), so any
+    batch fits. It returns a leaf with no graph: shortcut_sum's ``backward()`` on it adds nothing more."""
+
+    def loss(model, batch) -> Tensor:
+        labels = batch["labels"]
+        tokens = (labels[:, 1:] != -100).sum(1)
+        total = int(tokens.sum())
+        for i in range(0, len(labels), micro):
+            part = {k: v[i : i + micro] for k, v in batch.items()}
+            keep = part["attention_mask"].any(0) if "attention_mask" in part else slice(None)
+            n = int(tokens[i : i + micro].sum())
+            if n:
+                (model(**{k: v[:, keep] for k, v in part.items()}).loss * (n / total)).backward()
+        return torch.zeros((), requires_grad=True)
+
+    return loss
+
+
+def server_mean(model, batch, clients: int, t: int, config: AegisConfig | None, loss_fn: LossFn) -> dict[str, Tensor]:
+    """The round's mean update: the plain mean gradient of ``batch`` (undefended, config None), or the secure
+    sum of ``clients`` clients with pin t (:func:`shortcut_sum`) over their number. ``batch`` holds the round's
+    examples of all clients; the other N - 1 client batches are empty (shortcut_sum only concatenates them and
+    scales by their count)."""
+    if config is None:
+        loss_fn(model, batch)
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    pin = Alone() if clients == 1 else SurvivorPin(t)
+    empty = {k: v[:0] for k, v in batch.items()}
+    total = shortcut_sum(model, [batch] + [empty] * (clients - 1), config, pin, loss_fn=loss_fn)
+    return {n: g.div_(clients) for n, g in total.items()}
+
+
 class Curve:
     """The pretrained model, the tokenised train split and the server's rounds."""
 
     def __init__(self, args, device: torch.device):
         self.frontier = Frontier(args, device)
+        if args.quick:
+            self.frontier.validation = self.frontier.validation[:16]
         self.args = args
         self.data = self.frontier.batch(self.frontier.train)  # every train sentence, padded once
         self.pretrained = self.frontier.perplexity(self.frontier.model)
@@ -115,35 +154,9 @@ class Curve:
     def rows(self, index: Tensor) -> dict[str, Tensor]:
         return {k: v[index.to(v.device)] for k, v in self.data.items()}
 
-    def loss(self, model, batch) -> Tensor:
-        """Backpropagates the token-mean LM loss of ``batch`` in micro-batches of ``--micro`` sentences (each
-        weighted by its share of the predicted tokens, trimmed to its longest sentence), so any batch fits.
-        Returns a leaf with no graph: shortcut_sum's ``backward()`` on it adds nothing to the gradients."""
-        labels = batch["labels"]
-        tokens = (labels[:, 1:] != -100).sum(1)
-        total = int(tokens.sum())
-        for i in range(0, len(labels), self.args.micro):
-            part = {k: v[i : i + self.args.micro] for k, v in batch.items()}
-            keep = part["attention_mask"].any(0)
-            n = int(tokens[i : i + self.args.micro].sum())
-            if n:
-                (model(**{k: v[:, keep] for k, v in part.items()}).loss * (n / total)).backward()
-        return torch.zeros((), requires_grad=True)
-
     def config(self, preset: str) -> AegisConfig:
         # the budget counts exports per example; here the rounds are composed by the accountant instead
         return AegisConfig(preset=Preset(preset), exposure=ExposurePolicy.OFF)
-
-    def server_mean(self, model, batch, clients: int, t: int, config: AegisConfig | None) -> dict[str, Tensor]:
-        """The round's mean update the server steps on: the plain mean gradient (undefended), or the secure
-        sum of ``clients`` clients with pin t divided by their number."""
-        if config is None:
-            self.loss(model, batch)
-            return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        pin = Alone() if clients == 1 else SurvivorPin(t)
-        empty = {k: v[:0] for k, v in batch.items()}  # the other clients' examples are in `batch`: see above
-        total = shortcut_sum(model, [batch] + [empty] * (clients - 1), config, pin, loss_fn=self.loss)
-        return {n: g.div_(clients) for n, g in total.items()}
 
     def public(self, model, config: AegisConfig) -> tuple[float, set[str]]:
         """z of one export under the public calibration at ``model`` (a copy: protect freezes attention), and
@@ -175,7 +188,7 @@ class Curve:
             sizes.append(len(index))
             model.train()
             opt.zero_grad(set_to_none=True)
-            update = self.server_mean(model, self.rows(index), p.clients, t, config)
+            update = server_mean(model, self.rows(index), p.clients, t, config, micro_loss(args.micro))
             for name, param in model.named_parameters():
                 param.grad = update[name].to(param.dtype) if name in update and (config is None or name in signal) \
                     else None
@@ -265,13 +278,14 @@ def main(argv=None) -> Path:
     parser.add_argument("--model", choices=("smollm2", "tiny"), help="default smollm2 (quick: tiny)")
     parser.add_argument("--gguf", help="the SmolLM2 GGUF file (default: aegis.smollm2.find_gguf)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quick", action="store_true", help="a tiny LLaMA, N in 1, 4, 64, 3 rounds (the CPU test)")
-    parser.add_argument("--clients", help=f"comma-separated N (default {','.join(map(str, CLIENTS))}; quick 1,4,64)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny LLaMA, N in 1, 4, 1 round, 16 validation sentences (the CPU test)")
+    parser.add_argument("--clients", help=f"comma-separated N (default {','.join(map(str, CLIENTS))}; quick 1,4)")
     parser.add_argument("--survivors", type=float, default=1.0, help="pin t = ceil(this x N), >= 2 (default 1: t = N)")
     parser.add_argument("--batch", type=int, default=8, help="B, examples per client per round")
     parser.add_argument("--max-examples", type=int, help="cap on a round's examples (default 128; quick 16)")
     parser.add_argument("--micro", type=int, default=64, help="sentences per forward/backward (memory only)")
-    parser.add_argument("--rounds", type=int, help="server steps (default 320; quick 3)")
+    parser.add_argument("--rounds", type=int, help="server steps (default 320; quick 1)")
     parser.add_argument("--eval-every", type=int, help="rounds between validation perplexities (default 20; quick 1)")
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sentence at most")
@@ -289,9 +303,9 @@ def main(argv=None) -> Path:
         return path
     q = args.quick
     args.model = args.model or ("tiny" if q else "smollm2")
-    args.clients = [int(n) for n in args.clients.split(",")] if args.clients else list((1, 4, 64) if q else CLIENTS)
+    args.clients = [int(n) for n in args.clients.split(",")] if args.clients else list((1, 4) if q else CLIENTS)
     args.max_examples = args.max_examples or (16 if q else 128)
-    args.rounds = args.rounds or (3 if q else 320)
+    args.rounds = args.rounds or (1 if q else 320)
     args.eval_every = args.eval_every or (1 if q else 20)
     if min(args.clients) < 1 or not 0.0 < args.survivors <= 1.0 or min(args.batch, args.max_examples, args.micro) < 1:
         parser.error("--clients >= 1, 0 < --survivors <= 1, --batch, --max-examples and --micro >= 1")
@@ -299,9 +313,7 @@ def main(argv=None) -> Path:
     if not 0 <= index < count:
         parser.error(f"--shard {args.shard}: use i/n with 0 <= i < n")
     if not args.cipher:
-        from aegis_kernels import testing as fast_noise
-
-        fast_noise.install()
+        testing.install()  # needs AEGIS_ALLOW_FAST_NOISE=1 from the caller
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -327,9 +339,9 @@ def main(argv=None) -> Path:
         "round": "aegis.fl.shortcut.shortcut_sum: rho clip_N(N G) + sigma sqrt(N / t) Z (public calibration)",
         "accountant": f"aegis.accounting: rounds x Poisson-sampled Gaussian at rate q, delta {DELTA:g}; z of one "
                       "export of the preset's public table (the smallest over the evaluations), every row counted",
-        "pretrained_perplexity": curve.pretrained, "bar": BAR,
-        "noise": "Triton cipher (CUDA)" if device.type == "cuda" else "reference cipher" if args.cipher
-        else "keyed torch.randn (the cipher's law)",
+        "pretrained_perplexity": curve.pretrained, "bar": BAR, "validation": len(curve.frontier.validation),
+        "noise": "Triton cipher (CUDA)" if device.type == "cuda" else "keyed torch.randn (the cipher's law)"
+        if testing.active() else "reference cipher (ChaCha)",
         "seed": args.seed, "rows": [], "complete": False,
         "machine": {"torch": torch.__version__, "python": platform.python_version(), "threads": args.threads},
     }

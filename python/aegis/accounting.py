@@ -20,8 +20,8 @@ composed. Without sampling the composition is exactly one Gaussian mechanism of 
 :func:`gaussian_epsilon` gives epsilon exactly (replace-one and add/remove alike). With Poisson
 sampling at rate q (add/remove adjacency), Opacus's PRV accountant gives it where its grid is
 affordable (RDP epsilon <= :data:`PRV_LIMIT`: beyond, the grid spans a privacy-loss range that needs
-gigabytes and amplification is negligible) and Opacus's RDP bound stands otherwise. The RDP bound is
-the upper cross-check in every statement.
+gigabytes and amplification is negligible) and otherwise the smaller of Opacus's RDP bound and the exact
+unsampled composition (sampling never hurts). The RDP bound is the upper cross-check in every statement.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class PrivacyStatement:
     delta: float
     epsilon: float  # exact (no sampling) or Opacus's PRV accountant (see method)
     epsilon_rdp: float  # Opacus's RDP accountant: an upper bound, the cross-check (nan: Opacus not installed)
-    method: str  # "exact", "prv" or "rdp" (PRV beyond its affordable range: the RDP bound stands)
+    method: str  # "exact"; with sampling "prv", "rdp" (beyond PRV_LIMIT) or "unsampled" (below the RDP bound)
 
     def line(self) -> str:
         rdp = "" if math.isnan(self.epsilon_rdp) else f"; RDP bound {self.epsilon_rdp:.3g}"
@@ -75,7 +75,8 @@ def noise_multiplier(table: Table, shapes: Mapping[str, tuple[int, ...]], modes:
 
 def epsilons(z: float, compositions: int, sample_rate: float, delta: float) -> tuple[float, float, str]:
     """(epsilon, RDP epsilon, method) of ``compositions`` Gaussian mechanisms of multiplier z, each
-    sampled at ``sample_rate``; method "exact" (no sampling), "prv" or "rdp" (beyond PRV_LIMIT)."""
+    sampled at ``sample_rate``; method "exact" (no sampling), "prv", "rdp" (beyond PRV_LIMIT) or "unsampled"
+    (the exact composition without amplification, where it is below the RDP bound)."""
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta={delta}: choose 0 < delta < 1 (e.g. 1e-5, below 1 / the number of examples)")
     if not 0.0 < sample_rate <= 1.0:
@@ -93,8 +94,11 @@ def epsilons(z: float, compositions: int, sample_rate: float, delta: float) -> t
             rdp = math.nan
         return gaussian_epsilon(math.sqrt(compositions) / z, delta), rdp, "exact"
     rdp = _opacus("rdp", z, compositions, sample_rate, delta)
+    # sampling only helps (each sampled round is a mixture dominated by the unsampled one), so the exact
+    # unsampled composition bounds it too: where amplification is negligible it beats the RDP bound
+    unsampled = gaussian_epsilon(math.sqrt(compositions) / z, delta)
     if not rdp <= PRV_LIMIT:
-        return rdp, rdp, "rdp"
+        return (rdp, rdp, "rdp") if rdp <= unsampled else (unsampled, rdp, "unsampled")
     prv = _opacus("prv", z, compositions, sample_rate, delta)
     return (prv, rdp, "prv") if prv <= rdp else (rdp, rdp, "rdp")  # PRV is the tighter: never above RDP
 
