@@ -20,6 +20,7 @@ This module is the product path's view of a defence (``aegis.fl`` uses it): :cla
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import AegisConfig, Preset
+from .exposure import ExposurePolicy
 from .registry import DefenceKind, DefenceSpec, parse_defence
 from .shield import Shield, protect
 
@@ -135,7 +137,16 @@ class Aegis(Defence):
         return self._shield().export()
 
     def report(self) -> dict[str, float]:
-        return {f"flood_graph_{k}": float(v) for k, v in self._shield().flood_graph_counts.items()}
+        """The flood graphs' counts and, where the public calibration defines it, (epsilon, delta) per example
+        at the exposure budget (:meth:`aegis.shield.CoverageReport.privacy`; infinite with the budget off)."""
+        out = {f"flood_graph_{k}": float(v) for k, v in self._shield().flood_graph_counts.items()}
+        report = self._shield().report()
+        privacy = report.privacy()
+        if privacy is not None:  # with the budget off nothing bounds the exports: no finite epsilon
+            eps = math.inf if report.exposure is ExposurePolicy.OFF else privacy.epsilon
+            out |= {"epsilon": eps, "delta": privacy.delta, "noise_multiplier": privacy.noise_multiplier,
+                    "compositions": float(privacy.compositions)}
+        return out
 
     def detach(self) -> None:
         if self.shield is not None:
