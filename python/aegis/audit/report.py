@@ -307,7 +307,7 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
     for a in advice(report, lambda kind, text: f"<span class='{kind}'>{_e(text)}</span>", _e):
         u = report.utility_of(a.model, a.defence)
         none = report.utility_of(a.model, "none")
-        eps = "–" if u is None or u.epsilon is None else f"{u.epsilon:.2f} (δ {u.delta:g})"
+        eps = "–" if u is None or u.epsilon is None else f"{u.epsilon:.3g} (δ {u.delta:g})"
         parts.append(
             f"<tr><td>{_e(a.model)}</td><td>{_e(a.defence)}</td><td class='privacy'>{a.privacy}</td>"
             f"<td class='utility'>{_utility_cell(a.utility)}</td>"
@@ -341,7 +341,9 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
         "the paper's batch calibration, kept to reproduce the paper: its noise level fingerprints the batch. "
         "<i>K</i> is how many exports of one batch an attack read: the federated rounds export each batch once; "
         "the secret-completion attack reads K = the configuration's exposure budget jointly and then checks that "
-        "the shield refuses export K + 1.</div>"
+        "the shield refuses export K + 1. <i>DP ε</i> per example: DP-SGD's from Opacus's RDP accountant; an AEGIS "
+        "preset's is its exposure budget's exports composed at the noise multiplier of one export "
+        "(<code>aegis.accounting</code>; ∞ with the budget off or a tensor exported clean).</div>"
     )
     if plot_name:
         parts.append(f"<img src='{_e(plot_name)}' alt='privacy/utility plot' style='max-width:100%'>")

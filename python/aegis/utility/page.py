@@ -89,7 +89,9 @@ def utility_html(result: dict, curves: str | None, frontier: str | None) -> str:
         "the same non-identical client data; the curves are the global model on held-out sentences. A defence "
         "meets the bar when its final validation perplexity is at most 1.05x the undefended run's (accuracy at "
         "least 0.98x for the classifier) <i>and</i> every attack stays within max(0.05, null + 0.05) at every "
-        f"attacked round. {_exposure(result)} DP-SGD's ε is Opacus's RDP accountant at δ, sampling rate 1.</div>",
+        f"attacked round. {_exposure(result)} DP-SGD's ε is Opacus's RDP accountant at δ, sampling rate 1; "
+        "an AEGIS preset's is its exposure budget's exports composed at the noise multiplier of one export "
+        "(aegis.accounting; ∞ with the budget off or a tensor exported clean).</div>",
         _settings(result),
         "<h2>The bar</h2><ul>",
         *(f"<li>{_e(line)}</li>" for line in result.get("statements", [])),
