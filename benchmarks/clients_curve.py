@@ -12,27 +12,32 @@ examples per round, measured in the same run (undefended: the plain mean gradien
 
 The round's examples. The shipped train split has 320 sentences, and N x B reaches 80 000: each round's
 batch is a Poisson sample of the split at rate q = min(N x B, --max-examples) / 320 (every sentence in
-independently with probability q; q = 1 is the whole split), and its mean gradient stands for the mean
-over the N x B examples of the N clients (shortcut_sum scales it by N). The cap (default 128 sentences a
-round, q = 0.4 from N = 16 up) bounds the cost; above it, larger N changes only the noise relative to the
+independently with probability q; q = 1 would be the whole split), and its mean gradient stands for the
+mean over the N x B examples of the N clients (shortcut_sum scales it by N). The cap (default 64 sentences
+a round: q = 0.2 from N = 8 up) bounds the cost; above it, a larger N changes only the noise relative to the
 signal, not the sampling noise of the gradient. The same seed draws the same batches for every point at
-one rate (undefended included). The accountant composes ``--rounds`` Poisson-sampled Gaussian
-mechanisms at rate q (:mod:`aegis.accounting`: exact at q = 1, Opacus's PRV where affordable, its RDP
-bound otherwise, RDP always as the cross-check; delta 1e-5) with the noise multiplier z of one export of
-the preset's public table (the sum at the pin: n >= t survivors carry at least the full flood), the
-smallest over the evaluations' calibrations. z does not depend on N: a client's sensitivity and the
-sum's noise are both one flood's; N buys signal, not privacy.
+one rate (undefended included).
+
+epsilon per example: ``--rounds`` Poisson-sampled Gaussian mechanisms at rate q composed
+(:mod:`aegis.accounting`, delta 1e-5: Opacus's PRV where affordable, else the smaller of its RDP bound and
+the exact unsampled composition; RDP always as the cross-check; add/remove adjacency), with the noise
+multiplier z of one export of the preset's public table (the sum at the pin: n >= t survivors carry at
+least the full flood; every row of a rows flood counted), the smallest over the calibrations at the start
+and at every evaluation. z does not depend on N: a client's sensitivity and the sum's noise are both one
+flood's; N buys signal, not privacy. Also given at the best round (the early-stopped model's rounds).
 
 N* = the smallest N where `verification` reaches best perplexity <= 1.1x undefended.
 
     python benchmarks/clients_curve.py --quick                        # CPU, a tiny LLaMA, seconds (tests)
-    # GPU (8 processes sharing one H200, about 7-8 minutes estimated from the frontier's timings):
-    for i in 0 1 2 3 4 5 6 7; do python benchmarks/clients_curve.py --device cuda --shard $i/8 \\
-        --out /tmp/cc > /tmp/cc-$i.log 2>&1 & done; wait
+    # GPU: 8 processes sharing one H200 (19 points, cost-balanced shards; 160 rounds, not the default 320,
+    # so the slowest shard ends in about 6 minutes, estimated from the frontier's SmolLM2 timings):
+    for i in 0 1 2 3 4 5 6 7; do python benchmarks/clients_curve.py --device cuda --cipher --rounds 160 \
+        --eval-every 10 --shard $i/8 --out /tmp/cc > /tmp/cc-$i.log 2>&1 & done; wait
     python benchmarks/clients_curve.py --merge /tmp/cc --out benchmarks/results   # JSON + PNG
 
 CPU floods draw keyed torch.randn (:mod:`aegis_kernels.testing`: the cipher's law, no secret stream; the caller
-sets AEGIS_ALLOW_FAST_NOISE=1) unless ``--cipher``; CUDA floods always run the Triton cipher.
+sets AEGIS_ALLOW_FAST_NOISE=1) unless ``--cipher``; CUDA floods always run the Triton cipher (hence --cipher
+on the GPU: no opt-in needed, same noise).
 """
 from __future__ import annotations
 
@@ -64,6 +69,7 @@ from aegis.fl.shortcut import shortcut_sum  # noqa: E402
 PRESETS = ("verification", "sentences")
 CLIENTS = (1, 4, 16, 64, 256, 1024, 4096, 10000)
 BAR = 1.1  # N*: verification's best perplexity at most this times undefended
+STEP_COST = 60.0  # examples a round's fixed latency is worth (SmolLM2 on an H200: B = 8 vs 32 in the frontier)
 DELTA = 1e-5
 
 
@@ -96,14 +102,29 @@ def survivors(clients: int, fraction: float) -> int:
 
 
 def grid(args) -> list[Point]:
-    """Undefended once per distinct rate (at its smallest N), then the presets, larger N first (the costly
-    points spread over the shards)."""
+    """Undefended once per distinct rate (at its smallest N), then the presets, larger N first."""
     clients = args.clients
     seen: dict[float, int] = {}
     for n in clients:
         seen.setdefault(rate(n, args.batch, args.max_examples, args.train_size), n)
     return ([Point("undefended", n) for n in seen.values()]
             + [Point(p, n) for n in sorted(clients, reverse=True) for p in PRESETS])
+
+
+def shard(points: list[Point], args, index: int, count: int) -> list[Point]:
+    """Shard ``index`` of ``count`` balanced by estimated cost (longest first, each to the least loaded shard):
+    a round costs its expected examples plus STEP_COST (a B = 8 step's latency, in examples) for the backward,
+    and another for the shortcut's calibration on defended points."""
+    def cost(p: Point) -> float:
+        examples = rate(p.clients, args.batch, args.max_examples, args.train_size) * args.train_size
+        return examples + STEP_COST * (1 if p.preset == "undefended" else 2)
+
+    loads, owner = [0.0] * count, {}
+    for p in sorted(points, key=cost, reverse=True):
+        i = loads.index(min(loads))
+        loads[i] += cost(p)
+        owner[p] = i
+    return [p for p in points if owner[p] == index]
 
 
 def micro_loss(micro: int) -> LossFn:
@@ -283,13 +304,13 @@ def main(argv=None) -> Path:
     parser.add_argument("--clients", help=f"comma-separated N (default {','.join(map(str, CLIENTS))}; quick 1,4)")
     parser.add_argument("--survivors", type=float, default=1.0, help="pin t = ceil(this x N), >= 2 (default 1: t = N)")
     parser.add_argument("--batch", type=int, default=8, help="B, examples per client per round")
-    parser.add_argument("--max-examples", type=int, help="cap on a round's examples (default 128; quick 16)")
+    parser.add_argument("--max-examples", type=int, help="cap on a round's examples (default 64; quick 16)")
     parser.add_argument("--micro", type=int, default=64, help="sentences per forward/backward (memory only)")
     parser.add_argument("--rounds", type=int, help="server steps (default 320; quick 1)")
     parser.add_argument("--eval-every", type=int, help="rounds between validation perplexities (default 20; quick 1)")
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sentence at most")
-    parser.add_argument("--shard", default="0/1", help="i/n: measure every n-th point from the i-th")
+    parser.add_argument("--shard", default="0/1", help="i/n: the i-th of n cost-balanced shares of the points")
     parser.add_argument("--indices", help="comma-separated grid indices to measure (instead of --shard)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cipher", action="store_true", help="the reference cipher instead of keyed randn")
@@ -304,7 +325,7 @@ def main(argv=None) -> Path:
     q = args.quick
     args.model = args.model or ("tiny" if q else "smollm2")
     args.clients = [int(n) for n in args.clients.split(",")] if args.clients else list((1, 4) if q else CLIENTS)
-    args.max_examples = args.max_examples or (16 if q else 128)
+    args.max_examples = args.max_examples or (16 if q else 64)
     args.rounds = args.rounds or (1 if q else 320)
     args.eval_every = args.eval_every or (1 if q else 20)
     if min(args.clients) < 1 or not 0.0 < args.survivors <= 1.0 or min(args.batch, args.max_examples, args.micro) < 1:
@@ -320,7 +341,7 @@ def main(argv=None) -> Path:
     curve = Curve(args, device)
     args.train_size = len(curve.frontier.train)
     points = grid(args)
-    chosen = [points[int(i)] for i in args.indices.split(",")] if args.indices else points[index::count]
+    chosen = [points[int(i)] for i in args.indices.split(",")] if args.indices else shard(points, args, index, count)
     if args.indices:
         index, count = int(args.indices.split(",")[0]), 2  # one shard file per process, named by its first
     args.out.mkdir(parents=True, exist_ok=True)
