@@ -171,6 +171,7 @@ class Curve:
         self.args = args
         self.data = self.frontier.batch(self.frontier.train)  # every train sentence, padded once
         self.pretrained = self.frontier.perplexity(self.frontier.model)
+        self.initial: dict[str, tuple[float, set[str]]] = {}  # preset -> public() at the pretrained model
 
     def rows(self, index: Tensor) -> dict[str, Tensor]:
         return {k: v[index.to(v.device)] for k, v in self.data.items()}
@@ -199,8 +200,10 @@ class Curve:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
         gen = torch.Generator().manual_seed(args.seed)
         curve, zs, sizes = [(0, self.pretrained)], [], []
-        if config is not None:
-            z, signal = self.public(model, config)
+        if config is not None:  # at the pretrained model: the same for every N
+            if p.preset not in self.initial:
+                self.initial[p.preset] = self.public(model, config)
+            z, signal = self.initial[p.preset]
             zs.append(z)
         start = time.perf_counter()
         for r in range(1, args.rounds + 1):
@@ -225,6 +228,7 @@ class Curve:
                "final": curve[-1][1], "curve": curve, "train_seconds": round(time.perf_counter() - start, 1)}
         if zs:
             z = min(zs)
+            row["noise_multipliers"] = zs  # at the start and at each evaluation; the statements use the smallest
             row["privacy"] = {"run": asdict(statement(z, args.rounds, sample_rate=q, delta=DELTA)),
                               "at_best": asdict(statement(z, best[0], sample_rate=q, delta=DELTA))}
         return row
