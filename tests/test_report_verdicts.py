@@ -37,7 +37,7 @@ def test_trains_means_keeping_a_share_of_the_undefended_gain():
     gain = math.log(UNTRAINED / 2_000.0)
     paper = utility_verdict(report, "decoder", "aegis-verification")
     assert paper.trains is False and paper.ratio == pytest.approx(26_872 / 2_000)
-    assert paper.text() == "does not train (13.4x undefended perplexity)"
+    assert paper.text() == "does not train (13.4x undefended)"
     dp = utility_verdict(report, "decoder", "dp-sgd-C1-z1")
     assert math.log(UNTRAINED / 4_000) >= TRAINS_SHARE * gain and dp.trains is True
     assert utility_verdict(report, "decoder", "none").trains is True
@@ -109,7 +109,7 @@ def test_every_defence_row_of_the_page_has_both_verdicts_and_a_recommendation(tm
     for defence, row in rows.items():
         assert row["privacy"].strip() and row["advice"].strip()
         assert row["utility"].startswith(("trains", "does not train")), (defence, row["utility"])
-    assert rows["aegis-verification"]["utility"] == "does not train (13.4x undefended perplexity)"
+    assert rows["aegis-verification"]["utility"] == "does not train (13.4x undefended)"
     assert rows["aegis-verification"]["privacy"].startswith(Preset.VERIFICATION.promise.says)
     assert "leaks" in rows["prune-90"]["privacy"] and rows["prune-90"]["utility"].startswith("trains")
 

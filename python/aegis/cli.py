@@ -582,16 +582,17 @@ def results_tables(report) -> list:
             padding=(0, 1),
             title_justify="left",
         )
+        t.expand = True  # the verdict columns share the width by their ratios
         t.add_column("defence", no_wrap=True)
-        t.add_column("utility", no_wrap=True)
-        t.add_column("privacy verdict", overflow="fold", ratio=2)
-        t.add_column("utility verdict", overflow="fold", ratio=1)
-        t.add_column("recommendation", overflow="fold", ratio=1)
+        t.add_column("privacy verdict", overflow="fold", ratio=5)
+        t.add_column("utility verdict", overflow="fold", ratio=3)
+        t.add_column("recommendation", overflow="fold", ratio=4)
         for a in advice(report, mark, escape):
             if a.model == model:
                 u = report.utility_of(model, a.defence)
-                util = utility_text(u) + ("" if u is None or u.epsilon is None else f" ε {u.epsilon:.1f}")
-                t.add_row(a.defence, util, a.privacy, escape(a.utility.text()), mark(a.kind, a.recommendation))
+                eps = "" if u is None or u.epsilon is None else escape(f" (DP-SGD ε {u.epsilon:.1f})")
+                util = escape(f"{utility_text(u)}: {a.utility.text()}")
+                t.add_row(a.defence, a.privacy + eps, util, mark(a.kind, a.recommendation))
         tables.append(t)
 
         attacks = list(dict.fromkeys(r.attack for r in report.results if r.model == model))

@@ -25,23 +25,15 @@ class UtilityVerdict:
     """Does the defended model train, and at what cost next to the undefended run."""
 
     trains: bool | None  # None: not measurable (no utility, or the undefended run did not train either)
-    ratio: float | None  # the defended metric / the undefended one (perplexity: > 1 is worse; accuracy: < 1)
+    ratio: float | None  # the defended metric over the undefended one (perplexity: > 1 is worse; accuracy: < 1)
     metric: str
     reason: str = ""  # why ``trains`` is None
 
     def text(self) -> str:
         if self.trains is None:
             return self.reason
-        ratio = "" if self.ratio is None else f" ({self._ratio()} undefended {_short(self.metric)})"
+        ratio = "" if self.ratio is None else f" ({self.ratio:.3g}x undefended)"
         return ("trains" if self.trains else "does not train") + ratio
-
-    def _ratio(self) -> str:
-        assert self.ratio is not None
-        return f"{self.ratio:.3g}x"
-
-
-def _short(metric: str) -> str:
-    return "perplexity" if metric == "perplexity" else "accuracy"
 
 
 def _gain(metric: str, before: float, value: float) -> float:
