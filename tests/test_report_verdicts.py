@@ -3,6 +3,8 @@ recommendation, on the HTML page (parsed) and in the terminal table."""
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
 from html.parser import HTMLParser
 
 import pytest
@@ -138,3 +140,21 @@ def test_the_terminal_table_carries_the_same_three_verdicts():
     assert "does not train" in line and "not usable" in line
     line = next(line for line in text.splitlines() if line.strip().startswith("dp-sgd-C1-z1"))
     assert "trains" in line and "use: private and trains" in line
+
+
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no headless Chromium on this machine (apt-get install chromium)")
+def test_a_real_browser_shows_both_verdicts_on_every_row(tmp_path):
+    """Headless Chromium loads the page; the DOM it built (not our HTML string) has the three verdict cells
+    filled on every defence row."""
+    write_html(_report(PPL), tmp_path / "report.html")
+    done = subprocess.run([BROWSER, "--headless=new", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                           (tmp_path / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    parser = _Rows()
+    parser.feed(done.stdout)
+    rows = {r["col1"]: r for r in parser.rows if "privacy" in r}
+    assert set(rows) == set(PPL)
+    assert all(r["privacy"].strip() and r["utility"].strip() and r["advice"].strip() for r in rows.values())
