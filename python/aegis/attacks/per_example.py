@@ -104,7 +104,7 @@ def per_example_gradients(model: nn.Module, params: Sequence[nn.Parameter], inpu
     deltas = torch.autograd.grad(losses.sum(), [y for _, _, y in flat], allow_unused=True)
     out = []
     for p in params:
-        total = torch.zeros((examples, *p.shape), dtype=torch.float32, device=p.device)
+        total = torch.zeros((examples, *p.shape), dtype=_wide(p.dtype), device=p.device)
         for module, role in owners[id(p)]:
             for (key, x, _), delta in zip(flat, deltas):
                 if key == id(module) and delta is not None:
@@ -113,14 +113,19 @@ def per_example_gradients(model: nn.Module, params: Sequence[nn.Parameter], inpu
     return out
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate in float32 at least (bf16/fp16 models), in float64 for a float64 model."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _example_losses(logits: Tensor, labels: Tensor, examples: int, decoder: bool) -> Tensor:
     if decoder:
         target = labels[:, 1:]
-        token = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), reduction="none",
-                                ignore_index=-100).view(target.shape)
+        wide = logits[:, :-1].flatten(0, 1).to(_wide(logits.dtype))
+        token = F.cross_entropy(wide, target.flatten(), reduction="none", ignore_index=-100).view(target.shape)
         count = (target != -100).view(examples, -1).sum(1).clamp_min(1)
         return token.view(examples, -1).sum(1) / count
-    row = F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=-100)
+    row = F.cross_entropy(logits.to(_wide(logits.dtype)), labels, reduction="none", ignore_index=-100)
     count = (labels != -100).view(examples, -1).sum(1).clamp_min(1)
     return row.view(examples, -1).sum(1) / count
 
@@ -131,18 +136,18 @@ def _accumulate(total: Tensor, module: nn.Module, role: str, x: Tensor, delta: T
     e = total.shape[0]
     if isinstance(module, nn.Embedding):
         ids = x.expand(delta.shape[:-1]).reshape(e, -1)
-        d = delta.reshape(e, -1, delta.shape[-1]).float()
+        d = delta.reshape(e, -1, delta.shape[-1]).to(total.dtype)
         if module.padding_idx is not None:
             d = d * (ids != module.padding_idx).unsqueeze(-1)
         vocab = total.shape[1]
         index = (ids + vocab * torch.arange(e, device=ids.device)[:, None]).reshape(-1)
         total.view(e * vocab, -1).index_add_(0, index, d.reshape(-1, d.shape[-1]))
         return
-    d = delta.reshape(e, -1, delta.shape[-1]).float()
+    d = delta.reshape(e, -1, delta.shape[-1]).to(total.dtype)
     if role == "bias":
         total += d.sum(1)
         return
-    a = x.reshape(e, -1, x.shape[-1]).float()
+    a = x.reshape(e, -1, x.shape[-1]).to(total.dtype)
     if isinstance(module, nn.Linear):
         total.baddbmm_(d.transpose(1, 2), a)  # sum_t delta_t a_t^T: (e, out, in)
     elif isinstance(module, nn.LayerNorm):
