@@ -23,7 +23,8 @@ The undefended and attention-frozen settings are the positive controls, measured
     python benchmarks/frontier.py --merge DIR                           # the shards -> one JSON (no ROUGE)
     python benchmarks/frontier.py --rescore benchmarks/results/frontier-h100-smollm2.json   # ROUGE + PNG
 
-The noise is keyed torch.randn (``tests/fast_noise``: the cipher's law, no secret stream) unless ``--cipher``.
+The noise is keyed torch.randn (``aegis_kernels.testing``: the cipher's law, no secret stream; the caller sets
+AEGIS_ALLOW_FAST_NOISE=1) unless ``--cipher``.
 """
 from __future__ import annotations
 
@@ -153,6 +154,9 @@ def grid(quick: bool) -> list[Setting]:
         Setting(attention="clean", batch=1), capped(10000.0, batch=1),
         capped(100.0, verify=True), capped(10000.0, lr=5e-5), Setting(emb="frozen", mlp=10000.0),
         Setting(emb="frozen", norm=1000.0), Setting(attention="clean", lr=5e-5), capped(30.0),
+        # MLP frozen too: spectral and mlp_span have nothing to read; does the embedding (tied head) train?
+        Setting(mlp="frozen"), Setting(emb=10000.0, mlp="frozen", norm=10000.0),
+        Setting(emb=1000.0, mlp="frozen", norm=1000.0),
     ]
 
 

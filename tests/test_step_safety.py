@@ -128,6 +128,30 @@ def test_mask_without_a_backward_is_refused():
         shield.mask_()
 
 
+def test_a_shield_with_nothing_flooded_masks_every_step():
+    """Attention and MLP frozen, the rest exported clean by name: each step's mask_() and export() follow
+    its own backward (not "called twice" from the second step on)."""
+    model = build("gpt2")
+    clean = tuple(n for n, _ in model.named_parameters())  # whatever the treatments leave trainable
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    shield = aegis.protect(model, opt, _config(preset=dict.fromkeys(aegis.config.ROLES, aegis.config.FROZEN)
+                                               | {r: aegis.Treatment("rows") for r in ("token_embedding",
+                                                                                      "position_embedding")}
+                                               | {r: aegis.Treatment("matrix") for r in ("norm", "bias")},
+                                               allow_clean=clean))
+    for seed in range(3):
+        opt.zero_grad()
+        loss_of(model, seed=seed).backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        shield.mask_()
+        got = shield.export()
+        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+        opt.step()
+    assert not any(n.endswith(".weight") and (".mlp." in n or ".attn." in n) for n in got)  # frozen
+    with pytest.raises(RuntimeError, match="called twice"):
+        shield.mask_()
+
+
 # -- a parameter the backward did not reach -----------------------------------------------------------
 def test_a_flooded_parameter_without_gradient_is_flooded_as_zero():
     """A per-expert module the batch did not route to must not be exported as exact zeros."""

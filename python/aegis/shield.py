@@ -392,8 +392,10 @@ class Shield:
 
     @property
     def is_masked(self) -> bool:
-        """True when every gradient is exactly what the last ``mask_()`` left (no backward since)."""
-        return self._masked is not None and _unchanged(self._masked, [p.param.grad for p in self._flooded])
+        """True when every gradient is exactly what the last ``mask_()`` left (no backward since: a shield whose
+        trainable tensors are all exported clean has no flooded gradient to compare)."""
+        return (self._masked is not None and not self._grad_arrived
+                and _unchanged(self._masked, [p.param.grad for p in self._flooded]))
 
     def ensure_masked(self) -> None:
         """Mask unless already masked: the optimizer hook and Trainer callback call this. After a skipped
