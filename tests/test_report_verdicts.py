@@ -129,7 +129,7 @@ def test_report_json_carries_the_utility_verdicts(tmp_path):
 
 
 def test_the_terminal_table_carries_the_same_three_verdicts():
-    from aegis.cli import results_tables
+    from aegis.audit.terminal import results_tables
 
     console = Console(record=True, width=200)
     for table in results_tables(_report(PPL)):
