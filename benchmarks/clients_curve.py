@@ -58,7 +58,8 @@ from aegis_kernels import testing  # keyed randn for CPU floods (benchmarks only
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from frontier import ROOT, Frontier, card_tag  # noqa: E402  (puts python/ and the root on sys.path)
+from frontier import card_tag  # noqa: E402
+from frontier_points import ROOT, Frontier  # noqa: E402  (puts python/ and the root on sys.path)
 
 from aegis import AegisConfig, ExposurePolicy, Preset, protect  # noqa: E402
 from aegis.accounting import statement  # noqa: E402

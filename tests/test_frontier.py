@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import frontier  # noqa: E402
-from frontier import GROUPS, NEAR_EXACT, Frontier, Setting, config_of, grid  # noqa: E402
+from frontier_points import GROUPS, NEAR_EXACT, Frontier, Setting, config_of, grid  # noqa: E402
 
 import aegis  # noqa: E402
 from aegis.models import default_decoder  # noqa: E402
