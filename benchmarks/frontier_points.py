@@ -22,13 +22,15 @@ import aegis  # noqa: E402
 from aegis import AegisConfig, ExposurePolicy, Treatment  # noqa: E402
 from aegis.attacks import dager, embedding_norm, mlp_span, shared_gradient, spectral  # noqa: E402
 from aegis.attacks.candidates import Verifier, secret_candidates, verification_accuracy  # noqa: E402
+from aegis.attacks.embedding_projection import embedding_projection  # noqa: E402
 from aegis.attacks.repeated import averaged_export  # noqa: E402
 from aegis.calibration import text_loss  # noqa: E402
 from aegis.config import FROZEN, ROLES  # noqa: E402
 from aegis.data import load_corpus  # noqa: E402
 from aegis.metrics import null_gradient, token_recall  # noqa: E402
 
-TEXT_ATTACKS = {"dager": dager, "embedding_norm": embedding_norm, "mlp_span": mlp_span, "spectral": spectral}
+TEXT_ATTACKS = {"dager": dager, "embedding_norm": embedding_norm, "embedding_projection": embedding_projection,
+                "mlp_span": mlp_span, "spectral": spectral}
 # role groups: roles, flood kind, the allow_clean pattern that exports the group unflooded
 GROUPS = {
     "emb": (("token_embedding", "token_embedding_lora", "position_embedding", "lm_head"), "rows",
