@@ -425,11 +425,16 @@ def embedding_norm(model: nn.Module, grads: dict, tokenizer, batch_size: int) ->
     leak = embedding_norm_leak(model, grads, batch_size)
     if not leak.tokens:
         return []
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
     if leak.order:
         text = tokenizer.decode(leak.order, skip_special_tokens=True).strip()
         return [text] if text else []
-    bag = sorted(leak.tokens, key=lambda v: -leak.scores.get(v, 0.0))
+    return bag_slots(sorted(leak.tokens, key=lambda v: -leak.scores.get(v, 0.0)), tokenizer, batch_size)
+
+
+def bag_slots(bag: list[int], tokenizer, batch_size: int | None) -> list[str]:
+    """An unordered bag of token ids (strongest first) as the guess for every one of the ``batch_size``
+    sentences (which sentence holds a token is not in the rows); ``[]`` when no non-special token is left."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
     words = [tokenizer.decode([v]).strip() for v in bag if v not in special]
     words = [w.replace("##", "") for w in words if w]
     if not words:

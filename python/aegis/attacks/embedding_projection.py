@@ -20,22 +20,15 @@ passes.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
-from .embedding_norm import embedding_param_names
+from .embedding_norm import bag_slots, embedding_param_names
+from .spectral import robust_z
 
 __all__ = ["embedding_projection", "embedding_projection_scores"]
 
 FAMILY_ERRORS = 0.5  # expected false tokens on a gradient that holds nothing
-
-
-def _robust_z(x: Tensor) -> Tensor:
-    med = x.median()
-    mad = (x - med).abs().median() * 1.4826
-    return (x - med) / mad.clamp_min(torch.finfo(x.dtype).tiny)
 
 
 def embedding_projection_scores(model: nn.Module, grads: dict) -> Tensor | None:
@@ -46,7 +39,8 @@ def embedding_projection_scores(model: nn.Module, grads: dict) -> Tensor | None:
     g = grads[name].detach().double()
     e = dict(model.named_parameters(remove_duplicate=False))[name].detach().to(g.device, torch.float64)
     proj = (g * e).sum(1) / e.norm(dim=1).clamp_min(1e-30)
-    return torch.maximum(_robust_z(proj).abs(), _robust_z(g.pow(2).sum(1)))
+    energy = g.pow(2).sum(1)
+    return torch.maximum(robust_z(proj, proj).abs(), robust_z(energy, energy))
 
 
 def embedding_projection(model: nn.Module, grads: dict, tokenizer, batch_size: int) -> list[str]:
@@ -55,10 +49,4 @@ def embedding_projection(model: nn.Module, grads: dict, tokenizer, batch_size: i
     if z is None:
         return []
     level = -float(torch.special.ndtri(torch.tensor(FAMILY_ERRORS / (2 * z.numel()), dtype=torch.float64)))
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    order = torch.argsort(z, descending=True)
-    hits = [int(v) for v in order[: int((z > level).sum())] if int(v) not in special]
-    words = [w for w in (tokenizer.decode([v]).strip() for v in hits) if w]
-    if not words or not math.isfinite(level):
-        return []
-    return [" ".join(words)] * max(int(batch_size or 1), 1)
+    return bag_slots(torch.argsort(z, descending=True)[: int((z > level).sum())].tolist(), tokenizer, batch_size)

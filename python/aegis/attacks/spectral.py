@@ -141,7 +141,7 @@ def build_probe(mat: Tensor, name: str, layer: int, sigma: float | None, mode: s
     return Probe(name, layer, vh[keep].contiguous(), w[keep].to(vh.dtype), sigma, rank)
 
 
-def _standardise(q: Tensor, reference: Tensor) -> Tensor:
+def robust_z(q: Tensor, reference: Tensor) -> Tensor:
     """Robust z-scores of ``q`` against the population ``reference`` (median, MAD)."""
     med = reference.median()
     mad = (reference - med).abs().median().clamp_min(1e-300) * 1.4826
@@ -296,7 +296,7 @@ def _decode(model, probes, tokenizer, batch_size, z_accept, min_layers, shortlis
         z0 = torch.zeros(vocab, dtype=torch.float64, device=device)
         for p in filters:
             q = _quad(p, u, deflate[p.name])
-            z0 += _standardise(q, q) / math.sqrt(len(filters))
+            z0 += robust_z(q, q) / math.sqrt(len(filters))
         z0[list(special)] = -math.inf
         # no repeats: a token already placed has nearly the same input again (and is deflated out anyway)
         z0[list(set(prefix))] = -math.inf
@@ -308,7 +308,7 @@ def _decode(model, probes, tokenizer, batch_size, z_accept, min_layers, shortlis
         z_rows = []
         for p in probes:
             q = _quad(p, got[p.name][:, i], deflate[p.name])
-            z_rows.append(_standardise(q[:n_c], q[n_c:]))
+            z_rows.append(robust_z(q[:n_c], q[n_c:]))
         zs = torch.stack(z_rows)  # (probes, candidates)
         combined = zs.sum(0) / math.sqrt(len(probes))
         per_layer = torch.stack([zs[[k for k, p in enumerate(probes) if p.layer == layer]].mean(0) for layer in layers])
