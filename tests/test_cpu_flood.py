@@ -174,6 +174,28 @@ def test_keyed_flood_runs_the_cpu_path(reference_not_called):
         assert torch.equal(_bits(g), _bits(_reference_flood(c, mode, p, key, off)[0]))
 
 
+def test_no_gradient_residue_stays_in_the_scratch_pool_after_export():
+    """A shield's step on CPU through the numba flood: after export() the module's reused buffers hold
+    nothing (they held the last chunk's rho clip(G), the bf16 gradient's fp32 copy and the noise)."""
+    import transformers
+
+    import aegis
+    from aegis.exposure import IN_MEMORY
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=97, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg).to(torch.bfloat16)  # bf16: the flood copies through g32 / out32
+    shield = aegis.protect(model, None, aegis.AegisConfig(preset="sentences", exposure_state=IN_MEMORY))
+    ids = torch.randint(0, 97, (8, 12), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    shield.mask_()
+    exported = shield.export()
+    assert exported and cpu_flood._POOL, "the step did not run the numba flood"
+    arrays = [getattr(buf, name) for buf in cpu_flood._POOL
+              for name in ("words", "x", "theta", "cos", "sv", "sig", "g32", "out32")]
+    assert all(not a.any() for a in arrays)
+
+
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
 @pytest.mark.parametrize("mode", ["rows", "matrix"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -49,6 +49,12 @@ class _Buffers:
         self.tg32, self.tout32 = torch.from_numpy(self.g32), torch.from_numpy(self.out32)
         self.full = _Views(self, nb)
 
+    def wipe(self) -> None:
+        """Zero every array: after a flood they hold the last chunk's signal rho clip(G), its gradient
+        copy, its keystream words and its normals, which would outlive the export in the pool."""
+        for a in (self.words, self.x, self.theta, self.cos, self.sv, self.sig, self.g32, self.out32):
+            a.fill(0)
+
     def normals(self, key: np.ndarray, block0: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
         """The (8, nb) cos / sin components of the pairs of blocks block0 .. block0 + nb - 1 (r cos theta and
         r sin theta: reference.normal_pair), made in place in this worker's buffers."""
@@ -64,6 +70,8 @@ class _Buffers:
         return v.cos2, v.theta2
 
 
+# Reused between floods (allocating ~1.5 MB per worker per step costs more than the flood of a small
+# tensor); wiped before it is returned, so the pool holds zeros between floods.
 _POOL: list[_Buffers] = []
 _POOL_LOCK = threading.Lock()
 
@@ -74,6 +82,7 @@ def _take() -> _Buffers:
 
 
 def _give(buf: _Buffers) -> None:
+    buf.wipe()
     with _POOL_LOCK:
         _POOL.append(buf)
 
@@ -195,6 +204,8 @@ def flood(grad: Tensor, mode: str, params: Tensor, key: Tensor, offset: int = 0,
         job = _Job(grad, g, out, mode, params, offset)
         _run([job], key, threads)
         stats = job.finish()
+        if g.data_ptr() != grad.data_ptr():
+            g.zero_()  # a contiguous copy of the clean gradient: not left behind in freed memory
     return out, stats
 
 
