@@ -160,7 +160,7 @@ def test_lora_on_the_output_embedding_and_trainable_tokens():
     head_b = next(p for n, p in plans.items() if n.endswith("lm_head.lora_B.default.weight"))
     assert head_a.role == head_b.role == LORA_EMBEDDING_ROLE
     assert head_b.param.shape == (VOCAB, 4) and head_b.rows_axis == 0 and head_a.rows_axis is None
-    assert {p.role for n, p in plans.items() if ".mlp." in n} == {"mlp"}
+    assert {p.role for n, p in plans.items() if ".mlp." in n} == {"mlp_lora"}
     model = peft.get_peft_model(
         build("llama"), peft.LoraConfig(r=4, target_modules=["down_proj"], trainable_token_indices=[5, 6])
     )

@@ -96,8 +96,8 @@ def test_lora_adapters_inside_attention_are_frozen_and_mlp_adapters_flooded():
     attn = [n for n in plans if "lora" in n and ".attn." in n]
     mlp = [n for n in plans if "lora" in n and ".mlp." in n]
     assert attn and mlp
-    assert all(plans[n].role == "attention" and not plans[n].trainable for n in attn)
-    assert all(plans[n].role == "mlp" and plans[n].flooded for n in mlp)
+    assert all(plans[n].role == "attention_lora" and not plans[n].trainable for n in attn)
+    assert all(plans[n].role == "mlp_lora" and plans[n].flooded for n in mlp)
     loss_of(model).backward()
     clean = _clean_grads(model)
     shield.mask_()

@@ -24,7 +24,24 @@ ROLES = (
     "bias",
     "head",
     "other",
+    "mlp_lora",
+    "attention_lora",
 )
+# peft LoRA factors (A and B) of an MLP or attention projection: a mapping without an entry for one of these
+# roles gives it the treatment of the module it adapts (attention adapters stay frozen unless opted in).
+LORA_ROLE_PARENT = MappingProxyType({"mlp_lora": "mlp", "attention_lora": "attention"})
+
+
+class ExportMode(str, enum.Enum):
+    """What leaves the client.
+
+    STEP:  every optimizer step's gradient, flooded (``aegis.shield.Shield``): the paper's setting.
+    DELTA: one flooded weight delta per round of local training (``aegis.delta.DeltaShield``, FedAvg);
+           the local steps themselves are never exported.
+    """
+
+    STEP = "step"
+    DELTA = "delta"
 
 Kind = Literal["frozen", "rows", "matrix"]
 
@@ -176,6 +193,8 @@ VERIFICATION: Mapping[str, Treatment] = MappingProxyType(
         "bias": Treatment("matrix", lam=4.0, rho=0.0),
         "head": _VERIFICATION_ROWS,  # rows = labels (policy rule 10)
         "other": Treatment("matrix", lam=4.0, rho=0.0),  # strict=False only: pure noise, never signal
+        "mlp_lora": Treatment("matrix", lam=8.0, rho=0.0),
+        "attention_lora": FROZEN,
     }
 )
 
@@ -204,6 +223,8 @@ SENTENCES: Mapping[str, Treatment] = MappingProxyType(
         "bias": _SENTENCES_FLOOD,
         "head": _VERIFICATION_ROWS,
         "other": _SENTENCES_FLOOD,
+        "mlp_lora": _SENTENCES_FLOOD,
+        "attention_lora": FROZEN,
     }
 )
 
@@ -319,6 +340,9 @@ class AegisConfig:
                     gradients are back at addresses seen before (one launch per step instead of ~20).
                     Pays off with ``zero_grad(set_to_none=False)``; with the default
                     ``set_to_none=True`` the allocator moves gradients and every step runs eagerly.
+    export:         ExportMode.STEP (default: every step's gradient is flooded and exported) or DELTA (one
+                    flooded weight delta per round of local training, calibrated by a public round:
+                    ``aegis.delta``).
     """
 
     preset: Preset | str | Mapping[str, Treatment] = Preset.VERIFICATION
@@ -335,6 +359,7 @@ class AegisConfig:
     exposure_state: str | None = None
     device_seed: bool = False
     cuda_graph: bool = False
+    export: ExportMode = ExportMode.STEP
 
     def __post_init__(self) -> None:
         if isinstance(self.preset, str):
@@ -349,6 +374,9 @@ class AegisConfig:
             raise ValueError(f"rel_threshold={self.rel_threshold}: must lie in [0, 1)")
         object.__setattr__(self, "calibration", Calibration(self.calibration))
         object.__setattr__(self, "exposure", ExposurePolicy(self.exposure))
+        if self.export not in tuple(ExportMode):
+            raise ValueError(f"export={self.export!r}: use ExportMode.STEP or ExportMode.DELTA ('step' / 'delta')")
+        object.__setattr__(self, "export", ExportMode(self.export))
         if self.exposure_budget is not None and self.exposure_budget < 1:
             raise ValueError(f"exposure_budget={self.exposure_budget}: must be >= 1 (exports per example), or "
                              "None for the preset's")
@@ -369,10 +397,14 @@ class AegisConfig:
     def treatments(self) -> dict[str, Treatment]:
         preset = preset_from(self.preset) if isinstance(self.preset, str) else self.preset  # a Preset already
         base = PRESETS[preset] if isinstance(preset, Preset) else preset
-        missing = set(ROLES) - set(base) - set(self.overrides)
+        merged = {**base, **self.overrides}
+        for role, parent in LORA_ROLE_PARENT.items():
+            if role not in merged and parent in merged:
+                merged[role] = merged[parent]
+        missing = set(ROLES) - set(merged)
         if missing:
             raise ValueError(f"preset has no treatment for roles {sorted(missing)}")
-        return {**base, **self.overrides}
+        return merged
 
     @property
     def exposures(self) -> int:

@@ -11,7 +11,13 @@ Rules, in order (first match wins):
   3. peft LoRA factors of an ``nn.Embedding`` or of the output embedding, and peft trainable-token rows
      -> ``LORA_EMBEDDING_ROLE`` (``ParamPlan.rows_axis`` says which axis the token ids index);
   4. parameters of normalisation modules -> norm;
-  5. anything inside an attention module (Q/K/V/O, fused QKV, LoRA adapters on them) -> attention;
+  5. peft LoRA factors (``lora_A`` / ``lora_B``) of an attention projection -> attention_lora, of an MLP
+     matrix -> mlp_lora: their own roles, so that a preset can train MLP adapters and, only as an explicit
+     opt-in, attention adapters, while the base attention stays frozen (a mapping without these roles gives
+     them the treatment of the module they adapt, ``config.LORA_ROLE_PARENT``). A (r x d_in) has the row
+     space of the layer's inputs, as a full weight's gradient: DAGER reads it when the batch has fewer
+     tokens than r (benchmarks/frontier_delta.py measures ranks 8 / 64 / 256);
+  5b. anything else inside an attention module (Q/K/V/O, fused QKV) -> attention;
   6. peft DoRA magnitude vectors (a per-feature gain, the gradient structure of a norm weight) -> norm;
   7. other embedding tables (positions, token types) -> position_embedding: a rows flood along their ids
      at the token embedding's strength;
@@ -203,6 +209,16 @@ def _lora_vocab_factor(name: str, param: nn.Parameter, chain: list[nn.Module], h
     return False
 
 
+def _lora_linear_factor(name: str, chain: list[nn.Module]) -> str | None:
+    """The path of the adapted module when ``name`` is a peft LoRA factor (lora_A / lora_B) of a Linear or
+    Conv1D layer, else None."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in _LORA_LINEAR_PARTS and getattr(chain[i], "base_layer", None) is not None:
+            return ".".join(parts[:i])
+    return None
+
+
 def _vocabulary_vector(model: nn.Module, name: str, param: nn.Parameter, head: nn.Module | None) -> bool:
     """The output embedding's bias (entry v feeds logit v), or a 1-D parameter of ``vocab_size`` entries
     outside the transformer blocks (inside them that length is a hidden size that happens to match)."""
@@ -245,7 +261,12 @@ def detect_role(model: nn.Module, name: str, param: nn.Parameter, overrides: lis
     path = name.rsplit(".", 1)[0] if "." in name else ""
     if _NORM_CLASS.search(type(owner).__name__):
         return "norm"
-    if any(_ATTENTION_CLASS.search(c) for c in classes) or _ATTENTION_PATH.search(path):
+    attention = any(_ATTENTION_CLASS.search(c) for c in classes) or bool(_ATTENTION_PATH.search(path))
+    adapter = _lora_linear_factor(name, chain)
+    if adapter is not None and (attention or _MLP_PATH.search(adapter) or
+                                any(_MLP_CLASS.search(c) for c in classes)):
+        return "attention_lora" if attention else "mlp_lora"
+    if attention:
         return "attention"
     if _DORA_MAGNITUDE in name.split("."):
         return "norm"
