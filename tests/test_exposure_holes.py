@@ -1,9 +1,10 @@
 """The exposure budget cannot be walked around: retries of a refused step, restarts, near-duplicate text,
 embeddings fed without ids, and the reason a Flower client gives the server."""
-import json
 import os
+import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ def test_a_refused_step_stays_refused_however_it_is_retried():
 
 # -- persistence --------------------------------------------------------------------------------------
 def test_counts_persist_in_the_named_file_across_shields_and_processes(tmp_path):
-    path = tmp_path / "client-7.json"
+    path = tmp_path / "client-7.sqlite"
     with pytest.raises(FileNotFoundError, match="create_state"):
         protected(state=str(path))
     create_state(path)
@@ -109,7 +110,8 @@ def test_counts_persist_in_the_named_file_across_shields_and_processes(tmp_path)
         export(model, shield, ids, mask)
     # a fresh example is exported and written to the file for the next process
     export(model, shield, *rows(wrap(OTHER)))
-    assert sum(json.loads(path.read_text())["counts"].values()) == 2 * (3 * WINDOW - WINDOW + 1)
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT sum(n) FROM counts").fetchone()[0] == 2 * (3 * WINDOW - WINDOW + 1)
 
 
 def test_the_default_state_lives_in_the_cache_folder_and_survives_a_new_shield():
@@ -124,16 +126,17 @@ def test_the_default_state_lives_in_the_cache_folder_and_survives_a_new_shield()
 
 
 def test_a_corrupt_or_replaced_state_is_an_error_not_a_reset(tmp_path):
-    path = create_state(tmp_path / "s.json")
+    path = create_state(tmp_path / "s.sqlite")
     model, _, shield = protected(state=str(path))
-    path.write_text("{not json")
+    Path(f"{path}-wal").unlink(missing_ok=True)
+    path.write_bytes(b"not a database " * 400)
     with pytest.raises(ValueError, match="corrupt"):
         protected(state=str(path))
     with pytest.raises(ValueError, match="corrupt"):
         export(model, shield, *rows(wrap(TEXT)))
     path.unlink()
     create_state(path)  # another state with another salt under the same name
-    with pytest.raises(ValueError, match="replaced"):
+    with pytest.raises(RuntimeError, match="replaced"):
         export(model, shield, *rows(wrap(OTHER)))
 
 

@@ -17,6 +17,7 @@ import aegis_kernels  # noqa: F401  (registers torch.ops.aegis)
 import aegis_kernels.reference as ref
 from aegis_kernels.cuda_graph import GraphedFlood
 
+from . import ranks
 from .accounting import DELTA, PrivacyStatement, noise_multiplier, statement
 from .calibration import PublicLoss, public_statistics, synthetic_loss
 from .config import AegisConfig, Calibration
@@ -117,13 +118,12 @@ class Shield:
         self._mode_string = ",".join(self._modes)
         self._graphed: GraphedFlood | None = None
         self._hook = None
-        self._refused: list[tuple[weakref.ref | None, int]] | None = None  # the gradients of a refused step
         self._skipped: list[str] = []  # non-finite gradients of the last mask_() (a skipped step)
         self._skipped_steps = self._silenced_steps = 0
         self._grad_arrived = False  # a backward reached a trainable parameter since the last mask_()
         self._exposure: ExposureTracker | None = None
         if config.exposure is not ExposurePolicy.OFF and self._flooded:
-            self._exposure = ExposureTracker(model, config.exposures, _weakly(self._gradients_dropped),
+            self._exposure = ExposureTracker(model, config.exposures, _weakly(self._flooded_grads),
                                              config.exposure_state)
         # The model's hooks hold the shield weakly: a shield nobody holds (and no optimizer hooks) is collected,
         # its hooks go with it, and the model may be protected again. The optimizer hook holds it strongly.
@@ -236,16 +236,15 @@ class Shield:
                 "mask_() with no gradient since the last step: call loss.backward() first (flooding zeros would "
                 "export and step on noise alone)"
             )
+        silenced = self._decide()  # the budget decision, committed before anything is flooded
         grads: list[Tensor] = []
         for p in self._flooded:
             if p.param.grad is None:
                 p.param.grad = torch.zeros_like(p.param)
             grads.append(p.param.grad)
         tensors, modes = self._views(grads)
-        silenced = False
         if tensors:
             params = self._step_params(tensors)
-            silenced = self._over_budget()
             if silenced:
                 params = params.clone()
                 params[:, 0] = 0.0  # rho = 0: pure noise, nothing of this batch leaves
@@ -264,7 +263,7 @@ class Shield:
             self._skip(norms)
             return
         if self._exposure is not None:
-            self._exposure.commit(carried_signal=bool(tensors) and not silenced)
+            self._exposure.discard()
         self._silenced_steps += silenced
         self._grad_arrived = False
         self._skipped = []
@@ -295,36 +294,33 @@ class Shield:
 
     def _on_gradient(self, param: Tensor) -> None:
         self._grad_arrived = True
+        if self._exposure is not None:
+            self._exposure.note_backward()
 
-    def _gradients_dropped(self) -> bool:
-        """True when the gradients holding the pending forwards' examples are gone: none exists, or the
-        refused step's were replaced or changed (zero_grad)."""
-        if all(p.param.grad is None for p in self._flooded):
-            self._refused = None
-            return True
-        if self._refused is not None and not _unchanged(self._refused, [p.param.grad for p in self._flooded]):
-            self._refused = None
-            return True
-        return False
+    def _flooded_grads(self) -> list[Tensor | None]:
+        return [p.param.grad for p in self._flooded]
 
-    def _over_budget(self) -> bool:
-        """True when this step must be silenced; raises under ExposurePolicy.REFUSE."""
+    def _decide(self) -> bool:
+        """The exposure decision of this step (one store transaction): True when it must be silenced;
+        raises under ExposurePolicy.REFUSE."""
         if self._exposure is None:
             return False
-        over = self._exposure.over_budget()
+        over = self._exposure.decide()
         if not over:
             return False
         if self.config.exposure is ExposurePolicy.REFUSE:
             # the examples stay pending: a retry (mask_(), the optimizer hook, a Trainer callback) is
-            # refused again until the gradients are dropped and a fresh batch runs forward
-            self._refused = [(weakref.ref(p.param.grad), p.param.grad._version)  # type: ignore[union-attr]
-                             for p in self._flooded]
+            # refused again until the gradients are dropped (not merely changed) and a fresh batch runs
+            self._exposure.refuse(self._flooded_grads())
+            store = self._exposure.store
             raise RuntimeError(
                 f"mask_() refused: {over} example(s) of this batch hold text already exported "
                 f"{self._exposure.budget} time(s), the exposure budget of this configuration (noise averages "
-                "out over repeated exports). Drop these gradients (optimizer.zero_grad()) and train on fresh "
-                "examples, raise lam by sqrt(K/budget) and set AegisConfig(exposure_budget=K), or "
-                "AegisConfig(exposure=ExposurePolicy.SILENCE) to export pure noise for such steps"
+                f"out over repeated exports), counted in {store.path or 'memory (IN_MEMORY)'} "
+                f"({store.exports_here} export(s) of it by this process). Drop these gradients "
+                "(optimizer.zero_grad()) and skip the batch, raise lam by sqrt(K/budget) and set "
+                "AegisConfig(exposure_budget=K), or AegisConfig(exposure=ExposurePolicy.SILENCE) to export pure "
+                "noise for such steps"
             )
         return True
 
@@ -357,17 +353,22 @@ class Shield:
         """A fresh 256-bit key per step (or, in tests, the fixed key's step key) on ``device``. A CUDA
         copy leaves from pinned memory without blocking: a blocking copy waits for the backward."""
         key = ref.derive_key(self._fixed_key, self._step) if self._fixed_key is not None else ref.new_key()
+        key = ranks.shared_key(key)
         if device.type != "cuda":
             return key.to(device)
         return key.pin_memory().to(device, non_blocking=True)
 
     def _master_words(self) -> list[int]:
         """The graph derives the step key from this and the step (a fixed test key: as eagerly)."""
-        return (self._fixed_key if self._fixed_key is not None else ref.new_key()).tolist()
+        return ranks.shared_key(self._fixed_key if self._fixed_key is not None else ref.new_key()).tolist()
 
     def _device_state(self, device: torch.device) -> Tensor:
         """[master key x 8, step] on the gradients' device, advanced by the op itself (CUDA-graph
         replay); redrawn in a forked child so two processes never share a key."""
+        if ranks.distributed():
+            raise RuntimeError("AegisConfig(device_seed=True) under torch.distributed: each rank would draw its own "
+                               "master key and the replicas would drift apart; use device_seed=False (rank 0's "
+                               "host key is shared with every rank)")
         if self._state is None or self._state_pid != os.getpid() or self._state.device != device:
             master = self._fixed_key if self._fixed_key is not None else ref.new_key()
             self._state = torch.cat([master, torch.tensor([self._step])]).to(device)
