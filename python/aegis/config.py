@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from .exposure import ExposurePolicy
+from .exposure import IN_MEMORY, ExposurePolicy
 
 ROLES = (
     "attention",
@@ -316,6 +316,9 @@ class AegisConfig:
     allow_clean:    regexes matching WHOLE parameter names exported UNFLOODED; explicit opt-out, shown in the
                     report. A token- or label-indexed parameter (embedding, LM head, vocabulary bias,
                     classifier) must be listed by its exact name, and warns.
+    allow_outside_promise: export steps whose batch size lies outside the preset's promise
+                    (``Promise.min_batch`` / ``max_batch``); False (default): such a step is refused
+                    (:meth:`outside_promise` says why, :meth:`check_batch` raises).
     strict:         raise (default) when a trainable parameter's role is unknown; False gives it the
                     'other' flood with a warning.
     rel_threshold:  tau of the rows flood (rows with norm > tau x the calibration's max norm carry signal).
@@ -349,6 +352,7 @@ class AegisConfig:
     overrides: Mapping[str, Treatment] = field(default_factory=dict)
     role_overrides: Mapping[str, str] = field(default_factory=dict)
     allow_clean: tuple[str, ...] = ()
+    allow_outside_promise: bool = False
     strict: bool = True
     rel_threshold: float = 0.01
     calibration: Calibration = Calibration.PUBLIC
@@ -422,5 +426,29 @@ class AegisConfig:
             return None
         return self.preset.promise
 
+    def outside_promise(self, batch_size: int) -> str | None:
+        """Why a step of ``batch_size`` sequences lies outside this configuration's promise, or None: inside
+        it, or no promise to keep (:attr:`promise` is None). Whatever ``allow_outside_promise`` says."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: a step's batch holds an integer >= 1 of sequences")
+        promise = self.promise
+        why = None if promise is None else promise.outside(batch_size)
+        return None if why is None else f"preset {str(self.preset)!r}: {why}"
+
+    def check_batch(self, batch_size: int) -> None:
+        """Raise ValueError, naming the batch, the promise and the fix, when a step of ``batch_size``
+        sequences lies outside the promise and ``allow_outside_promise`` is False."""
+        why = self.outside_promise(batch_size)
+        if why is not None and not self.allow_outside_promise:
+            raise ValueError(f"batch_size={batch_size}: {why}; use a batch size the promise covers, another preset, "
+                             "or AegisConfig(allow_outside_promise=True) to export outside it")
+
     def replace(self, **changes) -> AegisConfig:
         return dataclasses.replace(self, **changes)
+
+
+def simulated_client(config: AegisConfig) -> AegisConfig:
+    """The configuration a simulated client runs (in process, on Flower's simulation runtime, in the audit):
+    its exposure counts in memory for the run (``aegis.exposure.IN_MEMORY``), so that one simulation does not
+    inherit the counts of the last; a configuration that names its state file keeps it."""
+    return config if config.exposure_state is not None else config.replace(exposure_state=IN_MEMORY)
