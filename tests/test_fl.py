@@ -160,8 +160,9 @@ def test_mod_refuses_arrays_changed_after_masking():
 
 
 def test_mod_refuses_masking_with_a_configuration_other_than_the_run_config():
-    paper = lambda msg, ctx: _masked_reply(msg, AegisConfig(preset="verification"))  # noqa: E731
-    reason = _error_reason(AegisMod()(instruction(global_arrays()), context({"aegis-preset": "sentences"}), paper))
+    own = lambda msg, ctx: _masked_reply(msg, AegisConfig(preset="sentences"))  # noqa: E731
+    mod = AegisMod(AegisConfig(preset="sentences"))  # the run config tightens it to verification
+    reason = _error_reason(mod(instruction(global_arrays()), context({"aegis-preset": "verification"}), own))
     assert "configuration other than" in reason
 
 
@@ -179,10 +180,10 @@ def test_mod_forgetting_to_mask_fails_closed():
     "run_config,reason",
     [
         ({"aegis-seed": 1}, "aegis-seed"),
-        ({"aegis-presett": "reconstruction"}, "unknown run_config key"),
+        ({"aegis-presett": "reconstruction"}, "unknown run config key"),
         ({"aegis-preset": "strongest"}, "preset"),
         ({"aegis-preset": "utility"}, "was removed: it did not train; use 'sentences'"),
-        ({"aegis-strict": "yes"}, "boolean"),
+        ({"aegis-strict": "yes"}, "'aegis-strict' = 'yes': expected bool"),
     ],
 )
 def test_mod_refuses_bad_run_config_before_training(run_config, reason):
@@ -326,10 +327,11 @@ def test_mod_rejects_a_fixed_seed_at_construction():
 
 
 def test_config_from_run_config():
-    base = AegisConfig(rel_threshold=0.05)
-    cfg = config_from_run_config({"aegis-preset": "sentences", "aegis-strict": True, "lr": 0.1}, base)
-    assert (cfg.preset, cfg.strict, cfg.rel_threshold) == (Preset.SENTENCES, True, 0.05)
-    assert config_from_run_config({"aegis-rel-threshold": 0.2}).rel_threshold == 0.2
+    base = AegisConfig(preset="sentences", rel_threshold=0.05)
+    cfg = config_from_run_config({"aegis-preset": "verification", "aegis-strict": True, "lr": 0.1}, base)
+    assert (cfg.preset, cfg.strict, cfg.rel_threshold) == (Preset.VERIFICATION, True, 0.05)
+    server = config_from_run_config({"aegis-preset": "sentences", "aegis-rel-threshold": 0.2})  # no floor
+    assert (server.preset, server.rel_threshold) == (Preset.SENTENCES, 0.2)
 
 
 def test_trainer_refuses_to_run_aegis_without_the_mod():

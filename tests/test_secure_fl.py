@@ -317,6 +317,25 @@ def test_a_clipping_range_that_would_clip_the_noise_is_refused_before_sending():
     assert not any(stage == "collect_masked_vectors" for _, stage, _ in run.grid.wire)
 
 
+@pytest.mark.parametrize("quantization_range, clipping_range", [(2, 1e6), (2**22, 1e12)],
+                         ids=["1-bit-huge-range", "huge-range"])
+def test_a_quantisation_step_above_the_noise_is_refused_before_sending(quantization_range, clipping_range):
+    """Stochastic rounding to a step far above the share's noise sets what the sum carries: refused."""
+    run = run_secure_rounds(tiny_gpt2(), data(3), rounds=1, pin=SurvivorPin(3), clipping_range=clipping_range,
+                            quantization_range=quantization_range, modulus_range=2**62)
+    assert run.sums == {} and len(refusals(run)) == 3
+    assert all(f"quantization_range={quantization_range}" in r and "exceeds 1 x the update's smallest noise sd" in r
+               for r in refusals(run))
+    assert not any(stage == "collect_masked_vectors" for _, stage, _ in run.grid.wire)
+    table = protect(tiny_gpt2(), None, AegisConfig()).public_params()
+    noise = min(float(p[1]) for p in table.values() if float(p[1]) > 0) / math.sqrt(3)
+    with pytest.raises(ValueError, match="quantisation step"):
+        check_quantisation(clipping_range=clipping_range, quantization_range=quantization_range,
+                           modulus_range=2**62, max_weight=1.0, clients=3, noise=noise)
+    check_quantisation(clipping_range=noise * 2**21, quantization_range=2**22, modulus_range=2**62, max_weight=1.0,
+                       clients=3, noise=noise)  # a step of exactly the noise sd passes
+
+
 def test_noise_share_scales_sigma_only_and_restores_the_table():
     model = tiny_gpt2()
     shield = protect(model, None, AegisConfig(seed=5))

@@ -25,13 +25,13 @@ from .client import (
     AegisMod,
     ClientTrainer,
     active_config,
-    config_from_run_config,
     digest,
     load_arrays,
     pack_gradients,
     pack_masked,
     trainable_arrays,
 )
+from .floor import config_from_run_config
 from .rounds import FederatedRun, SharedGradient, run_rounds
 from .simulation import InProcessGrid, flower_runtime, simulate
 from .strategy import FedSGD

@@ -6,8 +6,9 @@ split as Opacus's optimizer + module wrapper):
 * the training function (:class:`ClientTrainer`) computes the batch gradient, masks it with the shield
   and packs ``shield.export()`` with :func:`pack_masked`, which also records a *receipt* (the digest of
   the packed arrays and the AEGIS configuration used) in the mod's call scope;
-* :class:`AegisMod` configures AEGIS from ``context.run_config`` at call time (the train function reads
-  it with :func:`active_config`) and, on the way back, refuses any reply that is not exactly an AEGIS
+* :class:`AegisMod` configures AEGIS at call time from the client's own configuration, which the run config
+  may only tighten (:mod:`aegis.fl.floor`; the train function reads the result with :func:`active_config`),
+  and, on the way back, refuses any reply that is not exactly an AEGIS
   reply (below) whose arrays are byte for byte what a shield masked during this very call with this
   call's configuration. A forgotten ``mask_()``, a raw ``p.grad`` packed by hand, arrays edited after
   masking, a wrong preset or a fixed seed, a metrics-only reply, an extra record (a raw gradient in a
@@ -46,6 +47,7 @@ from torch import Tensor, nn
 from ..config import AegisConfig
 from ..defence import Aegis, Batch, Defence, LossFn, lm_loss
 from ..shield import Shield
+from .floor import config_from_run_config
 
 log = logging.getLogger(__name__)
 
@@ -54,43 +56,10 @@ ARRAYS_KEY, METRICS_KEY, CONFIG_KEY, PROOF_KEY = "arrays", "metrics", "config", 
 CLIENT_APP_RAISED_EXCEPTION = 2
 MOD_FAILED_PRECONDITION = 6
 
-# run_config key -> AegisConfig field. A seed is deliberately absent: see config_from_run_config.
-RUN_CONFIG_KEYS = {"aegis-preset": "preset", "aegis-rel-threshold": "rel_threshold", "aegis-strict": "strict"}
-
 # The only metrics a reply may carry, with the only value each may take: public constants, nothing
 # computed from the private batch. "num-examples" is the FedSGD weight: 1 per client (unweighted mean).
 REPLY_METRICS: dict[str, int] = {"num-examples": 1}
 PROOF_FIELDS = ("masked", "digest")
-
-
-def config_from_run_config(run_config: Mapping, base: AegisConfig | None = None) -> AegisConfig:
-    """``base`` with the ``aegis-*`` keys of a Flower run_config applied.
-
-    Keys: ``aegis-preset`` (a :class:`~aegis.config.Preset` value: "verification", "sentences",
-    "paper"), ``aegis-rel-threshold`` (float), ``aegis-strict`` (bool).
-    Raises on ``aegis-seed`` (a seed the server knows lets it subtract the noise) and on unknown
-    ``aegis-*`` keys (a typo must not silently fall back to defaults).
-    """
-    base = base or AegisConfig()
-    keys = sorted(k for k in run_config if k.startswith("aegis-"))
-    if "aegis-seed" in keys:
-        raise ValueError(
-            "run_config sets 'aegis-seed': AEGIS clients draw secret seeds; a shared seed would let the server "
-            "remove the noise"
-        )
-    unknown = [k for k in keys if k not in RUN_CONFIG_KEYS]
-    if unknown:
-        raise ValueError(f"unknown run_config key(s) {unknown}: AEGIS reads {sorted(RUN_CONFIG_KEYS)}")
-    changes: dict[str, str | float | bool] = {}
-    if "aegis-preset" in run_config:
-        changes["preset"] = str(run_config["aegis-preset"])
-    if "aegis-rel-threshold" in run_config:
-        changes["rel_threshold"] = float(run_config["aegis-rel-threshold"])
-    if "aegis-strict" in run_config:
-        if not isinstance(run_config["aegis-strict"], bool):
-            raise TypeError(f"aegis-strict must be a boolean, got {run_config['aegis-strict']!r}")
-        changes["strict"] = run_config["aegis-strict"]
-    return base.replace(**changes)
 
 
 @dataclass
@@ -158,10 +127,11 @@ def refuse(msg: Message, reason: str) -> Message:
 
 
 class AegisMod:
-    """Flower client mod: AEGIS configured from ``context.run_config``, unmasked replies refused.
+    """Flower client mod: AEGIS configured by the client, unmasked replies refused.
 
-    ``config`` holds the defaults that run_config keys (see :func:`config_from_run_config`) override on
-    every call. It must not carry a fixed seed.
+    ``config`` is the client's own configuration, a floor: on every call the run config's ``aegis-*`` keys
+    may tighten it and a key that would relax it is refused (:func:`~aegis.fl.floor.config_from_run_config`).
+    It must not carry a fixed seed.
     """
 
     def __init__(self, config: AegisConfig | None = None) -> None:
@@ -174,7 +144,7 @@ class AegisMod:
         try:
             config = config_from_run_config(context.run_config, self.config)
         except (ValueError, TypeError) as err:
-            return refuse(msg, f"invalid AEGIS run_config: {err}")
+            return refuse(msg, f"AEGIS run config refused: {err}")
         session = _Session(config)
         token = _SESSION.set(session)
         try:

@@ -19,11 +19,12 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import Tensor, nn
 
-from ..config import AegisConfig
+from ..config import AegisConfig, simulated_client
 from ..defence import Aegis, Batch, Defence, LossFn, NoDefence, core_defence, lm_loss
-from ..exposure import IN_MEMORY, ExposurePolicy
+from ..exposure import ExposurePolicy
 from ..shield import protect
-from .client import AegisMod, ClientTrainer, config_from_run_config, load_arrays, server_round_of, trainable_arrays
+from .client import AegisMod, ClientTrainer, load_arrays, server_round_of, trainable_arrays
+from .floor import config_from_run_config
 from .simulation import FIRST_NODE_ID, InProcessGrid, flower_log_level, flower_runtime
 from .strategy import FedSGD
 
@@ -88,8 +89,8 @@ def run_rounds(
     quiet:           silence Flower's INFO logging for the run.
     """
     aegis_config, factory = _resolve_defence(defence)
-    if aegis_config is not None and aegis_config.exposure_state is None:
-        aegis_config = aegis_config.replace(exposure_state=IN_MEMORY)  # simulated clients: counts live for the run
+    if aegis_config is not None:
+        aegis_config = simulated_client(aegis_config)
     run_config = dict(run_config or {})
     faults = dict(faults or {})
     for (r, c), kind in faults.items():

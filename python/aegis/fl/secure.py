@@ -51,6 +51,9 @@ FITINS_PARAMETERS, FITINS_CONFIG = "fitins.parameters", "fitins.config"
 NUM_EXAMPLES = 1  # the SecAgg+ weight of every client: the server gets the plain mean of the survivors
 MAX_WEIGHT = float(NUM_EXAMPLES)  # weight / max_weight = 1 quantises exactly
 CLIP_SDS = 8.0  # the clipping range must cover signal + this many standard deviations of the share
+# SecAgg+ quantises [-c, c] to the integers [0, q] (step 2c / q) by stochastic rounding, whose error has a
+# variance below step^2 / 4: a step at most the share's smallest noise sd adds at most a quarter of its variance.
+QUANT_STEP_SDS = 1.0
 # The only reason a refusal sends: why a client refused (a failed check on its own data, a budget) is
 # itself information, so it stays in the client's log and SecureGuard.refusals.
 REFUSAL = "SecureGuard refused this SecAgg+ stage; the reason is in the client's log"
@@ -127,11 +130,26 @@ def entry_bound(tables: Sequence[Tensor]) -> float:
     return float(bound.max())
 
 
+def noise_floor(tables: Sequence[Tensor]) -> float:
+    """The smallest noise sd of an update of these steps over its noisy tensors: the root sum of the steps'
+    sigma^2, minimised over the tensors that have noise (inf for none; a configuration without noise on a
+    tensor, lam 0, sends it as it is, and no step compares with that)."""
+    if not tables or tables[0].numel() == 0:
+        return math.inf
+    t = torch.stack([x.double() for x in tables])  # (steps, tensors, 4)
+    sd = t[..., 1].pow(2).sum(0).sqrt()
+    sd = sd[sd > 0]
+    return float(sd.min()) if sd.numel() else math.inf
+
+
 def check_quantisation(*, clipping_range: float, quantization_range: int, modulus_range: int,
-                       max_weight: float, clients: int, bound: float | None = None) -> None:
+                       max_weight: float, clients: int, bound: float | None = None,
+                       noise: float | None = None) -> None:
     """Raise (naming the parameter and the fix) unless SecAgg+'s quantisation is exact for this round:
-    the weight quantises exactly, the modulus holds the sum of ``clients`` quantised updates, and
-    (given ``bound``, the largest entry of an update) the clipping range covers every entry."""
+    the weight quantises exactly, the modulus holds the sum of ``clients`` quantised updates, (given
+    ``bound``, the largest entry of an update) the clipping range covers every entry, and (given
+    ``noise``, the update's smallest noise sd) the step 2 clipping_range / quantization_range is at most
+    :data:`QUANT_STEP_SDS` times it."""
     if max_weight != MAX_WEIGHT:
         raise ValueError(
             f"max_weight={max_weight}: AEGIS clients send the public weight {NUM_EXAMPLES}, which quantises "
@@ -151,6 +169,15 @@ def check_quantisation(*, clipping_range: float, quantization_range: int, modulu
             f"clipping_range={clipping_range}: the update's entries reach {bound:.4g} (signal + {CLIP_SDS:g} sd of "
             f"the noise share) and SecAgg+ would clip them silently; use SecAggPlusWorkflow(clipping_range >= "
             f"{bound:.4g}) (aegis.fl.secure_server.required_clipping_range)"
+        )
+    step = 2 * clipping_range / quantization_range
+    if noise is not None and noise > 0 and not step <= QUANT_STEP_SDS * noise:
+        need = 1 << math.ceil(math.log2(2 * clipping_range / (QUANT_STEP_SDS * noise)))
+        fix = f"use SecAggPlusWorkflow(quantization_range >= {need}) or a smaller clipping_range"
+        raise ValueError(
+            f"quantization_range={quantization_range}, clipping_range={clipping_range}: the quantisation step "
+            f"{step:.3g} exceeds {QUANT_STEP_SDS:g} x the update's smallest noise sd {noise:.3g}, so rounding, not "
+            f"the flood, would set what the sum carries; {fix}"
         )
 
 
@@ -176,10 +203,10 @@ class SecAggSetup:
     def record(self) -> ConfigRecord:
         return ConfigRecord({key: value for (key, _), value in zip(self._KEYS, vars(self).values())})
 
-    def check(self, bound: float | None = None) -> None:
+    def check(self, bound: float | None = None, noise: float | None = None) -> None:
         check_quantisation(clipping_range=self.clipping_range, quantization_range=self.quantization_range,
                            modulus_range=self.modulus_range, max_weight=self.max_weight, clients=self.sampled,
-                           bound=bound)
+                           bound=bound, noise=noise)
 
 
 def _number(configs: ConfigRecord, key: str, kind: type[int] | type[float]):
@@ -346,7 +373,7 @@ class SecureTrainer:
             update = [(s0 - p.detach()) / lr for s0, p in zip(start, params)]
         else:
             update = [grads[n] for n in self.names]
-        SecAggSetup.read(context.state.config_records[SETUP_KEY]).check(entry_bound(tables))
+        SecAggSetup.read(context.state.config_records[SETUP_KEY]).check(entry_bound(tables), noise_floor(tables))
         self.tables[server_round], self.batches_used[server_round] = tables, used
         self.updates[server_round] = [u.detach().cpu().clone() for u in update]
         return Message(fitres_content(update), reply_to=msg)

@@ -32,13 +32,17 @@ from flwr.server import LegacyContext, ServerConfig
 from flwr.server.workflow import DefaultWorkflow
 from flwr.serverapp import Grid
 
+from ..config import AegisConfig
 from ..exposure import ExposurePolicy
 from ..shield import protect
 from . import secagg_patch
-from .client import config_from_run_config, refuse, trainable_arrays
+from .client import refuse, trainable_arrays
+from .floor import config_from_run_config
+from .node import ReplyFloor, RunCache, max_runs, node_floor
 from .secure import MAX_WEIGHT, SecureGuard, SecureTrainer, SurvivorPin, check_quantisation
 from .secure_record import ClientRecord, RecordingGrid, ServerRecord
 from .secure_server import SecAggPlus, SecureStrategy, required_clipping_range
+from .strategy import fail_unless_accepted
 from .task import DEFAULT_RUN_CONFIG, decoder, train_batches, validation_batches, validation_loss
 
 # Run config keys of a secure run (the server's choices) and their defaults.
@@ -110,7 +114,7 @@ def server_main(grid: Grid, context: Context) -> None:
     check_quantisation(clipping_range=clipping, quantization_range=QUANTIZATION_RANGE, modulus_range=MODULUS_RANGE,
                        max_weight=MAX_WEIGHT, clients=nodes)
     # the global arrays: attention frozen, as on clients; the server masks nothing and tracks no exposure
-    protect(model, None, config.replace(exposure=ExposurePolicy.OFF))
+    shield = protect(model, None, config.replace(exposure=ExposurePolicy.OFF))
     arrays = trainable_arrays(model)
     names = list(arrays.keys())
     validation = validation_batches(tok)
@@ -147,38 +151,58 @@ def server_main(grid: Grid, context: Context) -> None:
     context.state["evaluation"] = MetricRecord(curves)
     rounds = range(1, s["num-server-rounds"] + 1)
     context.state["secure"] = MetricRecord({"survivors": [strategy.survivors.get(r, 0) for r in rounds]})
+    fail_unless_accepted(sum(strategy.survivors.values()), s["num-server-rounds"])
+    shield.public_params()  # the public calibration at the initial model: the table every client floods with
+    privacy = shield.report().privacy()
+    log.info("aegis secure run: %s", "no (epsilon, delta) for this preset (no public noise multiplier)"
+             if privacy is None else f"{privacy.line()} (at {threshold} survivors, each example at its exposure "
+             f"budget of {config.exposures} export(s); a client whose own floor is stricter has a smaller epsilon)")
 
 
 # -- client ----------------------------------------------------------------------------------------
-_NODES: dict[tuple, tuple[SecureGuard, SecureTrainer, ClientRecord | None]] = {}
+_NODES: RunCache[tuple[SecureGuard, SecureTrainer, ClientRecord | None]] = RunCache()
 
 
-def _node(context: Context, pin: SurvivorPin) -> tuple[SecureGuard, SecureTrainer, ClientRecord | None]:
-    """This node's guard, trainer and record (built on first use in this process, then kept)."""
+def _node(context: Context, pin: SurvivorPin,
+          config: AegisConfig) -> tuple[SecureGuard, SecureTrainer, ClientRecord | None]:
+    """This node's guard, trainer and record of the run (built on first use, kept while the run is among
+    the node's ``aegis-max-runs`` most recent)."""
     s = secure_settings(context.run_config)
     part = int(context.node_config.get("partition-id", 0))
     parts = int(context.node_config.get("num-partitions", 1))
-    config = config_from_run_config(context.run_config)
-    key = (context.run_id, context.node_id, part, parts, pin, repr(config), *(s[k] for k in sorted(DEFAULT_RUN_CONFIG)))
-    if key not in _NODES:
+    key = (context.node_id, part, parts, pin, repr(config), *(s[k] for k in sorted(DEFAULT_RUN_CONFIG)))
+
+    def build() -> tuple[SecureGuard, SecureTrainer, ClientRecord | None]:
+        if pin.peers is None:
+            log.warning("node %d pins %d survivors and no aegis-peers: every node the server names counts toward "
+                        "the pin, nodes the server runs itself included", context.node_id, pin.min_survivors)
         model, tok = decoder(s)
         trainer = SecureTrainer(model, train_batches(tok, part, parts, int(s["batch-size"])), pin, config=config)
-        _NODES[key] = (SecureGuard(pin), trainer, ClientRecord.from_env(context.node_id))
-    return _NODES[key]
+        return SecureGuard(pin), trainer, ClientRecord.from_env(context.node_id)
+
+    return _NODES.get(context.run_id, key, build, max_runs(context))
 
 
-def client_train(msg: Message, context: Context) -> Message:
-    """A secure round's stage on this node: refused unless the node pins its survivors itself."""
+def client_train(msg: Message, context: Context, clock: ReplyFloor | None = None) -> Message:
+    """A secure round's stage on this node: refused unless the node pins its survivors itself, and unless
+    the run config keeps the node's own AEGIS floor (:mod:`aegis.fl.floor`) at a batch size inside its
+    promise. ``clock`` (the node's :class:`~aegis.fl.node.ReplyFloor`) times the stage, not the build."""
     try:
         pin = node_pin(context)
         if pin is None:
             raise ValueError(f"the run asks for secure rounds and this node pins no survivor count: start the "
                              f"SuperNode with --node-config '{PIN_KEY}=<t>' or set {PIN_ENV}")
         secagg_patch.install()
-        guard, trainer, record = _node(context, pin)
+        config = config_from_run_config(context.run_config, node_floor(context))
+        config.check_batch(int(secure_settings(context.run_config)["batch-size"]))
+        guard, trainer, record = _node(context, pin, config)
     except (ValueError, TypeError, RuntimeError) as err:
         return refuse(msg, str(err))
-    reply = guard(msg, context, lambda m, c: secaggplus_mod(m, c, trainer))
+
+    def stage(m: Message, c: Context) -> Message:
+        return guard(m, c, lambda m2, c2: secaggplus_mod(m2, c2, trainer))
+
+    reply = stage(msg, context) if clock is None else clock(msg, context, stage)
     if record is not None:
         record.updates(trainer.updates)
     return reply

@@ -23,9 +23,9 @@ from flwr.server import LegacyContext, ServerConfig
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from torch import Tensor, nn
 
-from ..config import AegisConfig
+from ..config import AegisConfig, simulated_client
 from ..defence import Batch, LossFn, lm_loss
-from ..exposure import IN_MEMORY, ExposurePolicy
+from ..exposure import ExposurePolicy
 from ..shield import protect
 from . import secagg_patch
 from .accountant import PrivacyStatement, noise_multiplier, statement
@@ -122,8 +122,7 @@ def run_secure_rounds(
     secagg_patch.install()
     n = len(client_batches)
     pins, configs = _per_client(pin, n, "pin"), _per_client(config or AegisConfig(), n, "config")
-    # simulated clients keep their exposure counts for the run, each its own (as separate machines would)
-    configs = [c.replace(exposure_state=IN_MEMORY) if c.exposure_state is None else c for c in configs]
+    configs = [simulated_client(c) for c in configs]  # each its own counts, as separate machines would keep
     server_model = _copy(model)
     # the global arrays: attention frozen, as on clients; the server masks nothing and tracks no exposure
     protect(server_model, None, configs[0].replace(exposure=ExposurePolicy.OFF))

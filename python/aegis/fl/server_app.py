@@ -8,15 +8,17 @@ server's own :func:`~aegis.fl.task.validation_loss` on the held-out validation s
 from __future__ import annotations
 
 import math
+from typing import cast
 
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from ..exposure import ExposurePolicy
 from ..shield import protect
-from .client import config_from_run_config, load_arrays, trainable_arrays
+from .client import load_arrays, trainable_arrays
+from .floor import config_from_run_config
 from .secure_app import is_secure, server_main
-from .strategy import FedSGD
+from .strategy import FedSGD, fail_unless_accepted
 from .task import decoder, settings, validation_batches, validation_loss
 
 app = ServerApp()
@@ -54,6 +56,9 @@ def main(grid: Grid, context: Context) -> None:
         min_train_nodes=int(s["min-nodes"]),
         min_available_nodes=int(s["min-nodes"]),
     )
-    strategy.start(grid=grid, initial_arrays=trainable_arrays(model), num_rounds=int(s["num-server-rounds"]),
-                   evaluate_fn=evaluate)
+    result = strategy.start(grid=grid, initial_arrays=trainable_arrays(model), num_rounds=int(s["num-server-rounds"]),
+                            evaluate_fn=evaluate)
     context.state["evaluation"] = MetricRecord({**history})  # a fresh dict typed as MetricRecord's values
+    accepted = sum(int(cast(int, m.get("clients-ok", 0))) for m in result.train_metrics_clientapp.values())
+    fail_unless_accepted(accepted, int(s["num-server-rounds"]))
+

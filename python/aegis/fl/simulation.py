@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from .secure import REPLY_FIELDS
 
 SUPERLINK_NODE_ID = 1  # Flower's node id for the server side (flwr.common.constant, not public API)
 FIRST_NODE_ID = 1000  # in-process SuperNodes get ids 1000, 1001, ...
+_RUN_IDS = itertools.count(1)  # simulate()'s runs in this process
 
 
 @contextlib.contextmanager
@@ -180,20 +182,35 @@ def simulate(num_supernodes: int = 2, run_config: Mapping[str, Any] | None = Non
              node_config: Mapping[str, Any] | None = None, quiet: bool = True) -> tuple[Context, InProcessGrid]:
     """Run ``server_app`` with ``num_supernodes`` copies of ``client_app`` in this process (no Ray).
 
-    What ``flwr run`` does with a simulation federation, minus the transport. ``node_config`` adds keys
-    to every node's config (e.g. ``aegis-min-survivors`` for secure rounds). Returns the server's
-    Context (``state["evaluation"]`` holds the validation curve) and the grid (every delivered reply).
+    What ``flwr run`` does with a simulation federation, minus the transport. The clients are simulated
+    (:func:`aegis.fl.node.simulated`): each counts its exposures for this call only, unless the run config
+    sets ``aegis-exposure-counts = "across-runs"`` (then the machine's state file counts, as a real client's
+    does), and replies without a reply floor.
+
+    run_config:   the server's keys (:data:`aegis.fl.task.DEFAULT_RUN_CONFIG`, the secure keys, ``aegis-*``);
+                  ``min-nodes`` defaults to ``num_supernodes``.
+    node_config:  keys added to every node's own config, the node's choices, never the server's:
+                  ``aegis-preset`` (the preset the node runs at least; the run config may only tighten it),
+                  ``aegis-min-survivors`` and ``aegis-peers`` (secure rounds), ``aegis-max-runs``,
+                  ``aegis-reply-floor`` (:mod:`aegis.fl.node`). Each node also gets ``partition-id`` and
+                  ``num-partitions``.
+    quiet:        silence Flower's INFO logging.
+
+    Returns the server's Context (``state["evaluation"]`` holds the validation curve) and the grid (every
+    delivered reply). Raises ``RuntimeError`` when no client reply was accepted in any round.
     """
     from .client_app import app as client_app
+    from .node import in_process_simulation
     from .secure_app import is_secure
     from .server_app import app as server_app
     from .task import DEFAULT_RUN_CONFIG
 
     config = {**DEFAULT_RUN_CONFIG, "min-nodes": num_supernodes, **(run_config or {})}
+    run_id = next(_RUN_IDS)  # a run of its own: the nodes keep nothing of an earlier call
     nodes = [FIRST_NODE_ID + i for i in range(num_supernodes)]
     contexts = {
         node: Context(
-            run_id=0, node_id=node, node_config={"partition-id": i, "num-partitions": num_supernodes,
+            run_id=run_id, node_id=node, node_config={"partition-id": i, "num-partitions": num_supernodes,
                                                  **(node_config or {})},
             state=RecordDict(), run_config=config,
         )
@@ -202,8 +219,8 @@ def simulate(num_supernodes: int = 2, run_config: Mapping[str, Any] | None = Non
     # secaggplus_mod edits the record the workflow shares between nodes: a secure run needs serialising
     grid_type = SerialisingGrid if is_secure(config) else InProcessGrid
     grid = grid_type({node: client_app for node in nodes}, contexts)
-    server_context = Context(run_id=0, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(),
+    server_context = Context(run_id=run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(),
                              run_config=config)
-    with flower_runtime(), flower_log_level(logging.ERROR if quiet else None):
+    with flower_runtime(run_id), flower_log_level(logging.ERROR if quiet else None), in_process_simulation():
         server_app(grid, server_context)
     return server_context, grid

@@ -197,6 +197,19 @@ class FedSGD(FedAvg):
         return {k: v.to(self.params[k].dtype) for k, v in mean.items()}
 
 
+def fail_unless_accepted(accepted: int, rounds: int) -> None:
+    """End a run in which no client reply was accepted loudly: the error is the run's last line, and the
+    ServerApp (or :func:`aegis.fl.simulate`) exits with it."""
+    if accepted:
+        return
+    message = (f"AEGIS: NO CLIENT REPLY WAS ACCEPTED IN {rounds} ROUND(S): the global model did not change. Every "
+               "client refused, failed or never answered; the reasons are in the clients' logs (a client refuses "
+               "a run config that would relax its own AEGIS configuration, a batch size outside its promise, or "
+               "an example past its exposure budget)")
+    log.error(message)
+    raise RuntimeError(message)
+
+
 def _metrics(content: RecordDict) -> MetricRecord:
     return next(iter(content.metric_records.values()))
 

@@ -8,6 +8,7 @@ the shipped corpus, and the server's held-out validation loss.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,8 +31,10 @@ DEFAULT_RUN_CONFIG: dict[str, Any] = {
 }
 VALIDATION_BATCH = 16  # bounded logits memory on the server
 
-# (layers, width, heads) -> (model, tokenizer): the process-wide cache of built decoders
-_MODELS: dict[tuple[int, int, int], tuple[nn.Module, Any]] = {}
+# (layers, width, heads) -> (model, tokenizer): the process-wide cache of built decoders, the MODELS_KEPT
+# most recently used shapes (the shapes are the run config's: a server must not grow it without bound)
+_MODELS: OrderedDict[tuple[int, int, int], tuple[nn.Module, Any]] = OrderedDict()
+MODELS_KEPT = 2
 
 
 def settings(run_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -48,7 +51,10 @@ def decoder(s: Mapping[str, Any]) -> tuple[nn.Module, Any]:
     if key not in _MODELS:
         from ..models import DecoderArch, default_decoder
 
+        while len(_MODELS) >= MODELS_KEPT:
+            _MODELS.popitem(last=False)
         _MODELS[key] = default_decoder(arch=DecoderArch.GPT2, n_layer=key[0], n_embd=key[1], n_head=key[2])
+    _MODELS.move_to_end(key)
     model, tok = _MODELS[key]
     return copy.deepcopy(model), tok
 
@@ -61,9 +67,13 @@ def tokenize(tok, texts: Sequence[str]) -> Batch:
 
 
 def train_batches(tok, partition: int, partitions: int, batch_size: int) -> list[Batch]:
-    """SuperNode ``partition``'s shard of the corpus's train split, in batches of ``batch_size``."""
+    """SuperNode ``partition``'s shard of the corpus's train split, in full batches of ``batch_size`` (a short
+    last batch would tell the shard's size, and lie outside a preset's smallest batch)."""
     texts = [e.text for e in load_corpus("train")][partition::partitions]
-    return [tokenize(tok, texts[i : i + batch_size]) for i in range(0, len(texts), batch_size)]
+    if len(texts) < batch_size:
+        raise ValueError(f"run config 'batch-size' = {batch_size}: this node's shard holds {len(texts)} texts "
+                         f"(partition {partition} of {partitions}); use a batch size of at most {len(texts)}")
+    return [tokenize(tok, texts[i : i + batch_size]) for i in range(0, len(texts) - batch_size + 1, batch_size)]
 
 
 def validation_batches(tok) -> list[Batch]:
