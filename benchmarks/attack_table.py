@@ -12,24 +12,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "python")]
 
-import aegis  # noqa: E402
-from aegis.attacks import dager, embedding_norm, mlp_span, shared_gradient, spectral  # noqa: E402
-from aegis.attacks.embedding_norm import embedding_norm_leak  # noqa: E402
-from aegis.data import LABELS, load_corpus  # noqa: E402
-from aegis.metrics import null_baseline, rouge, token_recall  # noqa: E402
-from aegis.models import attack_settings  # noqa: E402
+import aegis
+from aegis.attacks import shared_gradient, text_attacks
+from aegis.attacks.embedding_norm import embedding_norm_leak
+from aegis.data import LABELS, load_corpus
+from aegis.metrics import null_baseline, rouge, token_recall
+from aegis.models import attack_settings
 
 SETTINGS = attack_settings()
-ATTACKS = {"dager": dager, "mlp_span": mlp_span, "spectral": spectral, "embedding_norm": embedding_norm}
+ATTACKS = text_attacks(("dager", "mlp_span", "spectral", "embedding_norm"))
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 FedSGD clients per round, for N up to 10 000, with (epsilon, delta) per example.
 
 A secure FedSGD round of N clients at one global model is, in distribution, one batch of N x B examples
-with clip and threshold times N and noise sigma * sqrt(N / t) (:func:`aegis.fl.shortcut.shortcut_sum`; t is
+with clip and threshold times N and noise sigma * sqrt(N / t) (:func:`aegis.fl.secure.shortcut.shortcut_sum`; t is
 the survivor pin, here ``ceil(--survivors x N)``, at least 2; N = 1 is one client's own export, t = 1). The
 server steps AdamW (lr 2e-4, linear warm-up over 10 % of the rounds, then constant) on the round mean
 (the sum / N; tensors the public table marks as pure noise, rho = 0, are skipped: a server knows them)
@@ -46,26 +46,21 @@ import copy
 import json
 import math
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from frontier import card_tag  # a sibling script: Python looks in a script's own folder first
+from frontier_points import ROOT, Frontier
 from torch import Tensor
 
+from aegis import AegisConfig, ExposurePolicy, Preset, protect
+from aegis.accounting import statement
+from aegis.defence import LossFn
+from aegis.fl.secure import SurvivorPin
+from aegis.fl.secure.shortcut import shortcut_sum
 from aegis_kernels import testing  # keyed randn for CPU floods (benchmarks only; opt-in by environment)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from frontier import card_tag  # noqa: E402
-from frontier_points import ROOT, Frontier  # noqa: E402  (puts python/ and the root on sys.path)
-
-from aegis import AegisConfig, ExposurePolicy, Preset, protect  # noqa: E402
-from aegis.accounting import statement  # noqa: E402
-from aegis.defence import LossFn  # noqa: E402
-from aegis.fl.secure import SurvivorPin  # noqa: E402
-from aegis.fl.shortcut import shortcut_sum  # noqa: E402
 
 PRESETS = ("verification", "sentences")
 CLIENTS = (1, 4, 16, 64, 256, 1024, 4096, 10000)
@@ -362,7 +357,7 @@ def main(argv=None) -> Path:
                     f"q = min(N x B, {args.max_examples}) / {args.train_size}; its mean gradient stands for the "
                     "N x B examples' mean (shortcut_sum scales it by N); the same draws for every point at one rate",
         "optimizer": "server AdamW (torch defaults) on the round mean, linear warm-up over 10 % of the rounds",
-        "round": "aegis.fl.shortcut.shortcut_sum: rho clip_N(N G) + sigma sqrt(N / t) Z (public calibration)",
+        "round": "aegis.fl.secure.shortcut.shortcut_sum: rho clip_N(N G) + sigma sqrt(N / t) Z (public calibration)",
         "accountant": f"aegis.accounting: rounds x Poisson-sampled Gaussian at rate q, delta {DELTA:g}; z of one "
                       "export of the preset's public table (the smallest over the evaluations), every row counted",
         "pretrained_perplexity": curve.pretrained, "bar": BAR, "validation": len(curve.frontier.validation),

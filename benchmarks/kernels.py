@@ -33,15 +33,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "python")]
 
-import triton  # noqa: E402
-from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
 
-import aegis_kernels  # noqa: E402,F401  (registers the CUDA kernels)
-from aegis_kernels import reference as ref  # noqa: E402
-from aegis_kernels.triton import tables  # noqa: E402
-from aegis_kernels.triton.launch import GPU as LAUNCH  # noqa: E402  (the CUDA launch configuration)
+import aegis_kernels  # noqa: F401  (registers the CUDA kernels)
+from aegis_kernels import reference as ref
+from aegis_kernels.triton import tables
+from aegis_kernels.triton.launch import GPU as LAUNCH  # the CUDA launch configuration
 
 TAU, SEED = 0.01, 0x5EED_1234_5678
 LAM_STATIONARY = math.sqrt(math.pi / 2)
@@ -61,10 +60,17 @@ def _rows_params(g: torch.Tensor) -> torch.Tensor:
 
 def _baseline_module(path: str):
     """``baseline_kernels.triton_flood`` from DIR/baseline_kernels (an earlier aegis_kernels package
-    whose __init__ is emptied, so it registers no ops)."""
+    whose __init__ is emptied, so it registers no ops), loaded from its folder by name."""
     import importlib
+    import importlib.util
 
-    sys.path.insert(0, path)
+    package = Path(path) / "baseline_kernels"
+    spec = importlib.util.spec_from_file_location("baseline_kernels", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"--baseline: no baseline_kernels package in {path}")
+    sys.modules["baseline_kernels"] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return importlib.import_module("baseline_kernels.triton_flood")
 
 

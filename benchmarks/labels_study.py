@@ -26,23 +26,21 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
 
-from aegis import AegisConfig, Treatment  # noqa: E402
-from aegis.audit.attacks import ModelContext, server_copy  # noqa: E402
-from aegis.audit.dataset import load  # noqa: E402
-from aegis.audit.label_attack import evaluate, exposures  # noqa: E402
-from aegis.audit.options import AuditConfig, DefenceSpec, resolve_defence  # noqa: E402
-from aegis.audit.records import ALPHA, MARGIN, THREATS  # noqa: E402
-from aegis.audit.runner import batch_builder, client_examples, load_model  # noqa: E402
-from aegis.config import Preset  # noqa: E402
+from aegis import AegisConfig, Treatment
+from aegis.audit.attacks import ModelContext, server_copy
+from aegis.audit.dataset import load
+from aegis.audit.label_attack import evaluate, exposures
+from aegis.audit.options import AuditConfig, DefenceSpec, resolve_defence
+from aegis.audit.records import ALPHA, MARGIN, THREATS
+from aegis.audit.runner import batch_builder, client_examples, load_model
+from aegis.config import Preset
 
 BATCHES = "1:1280,2:640,8:320"
 

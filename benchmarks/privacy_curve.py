@@ -30,25 +30,23 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
 
-import aegis  # noqa: E402
-from aegis import AegisConfig, ExposurePolicy, Treatment  # noqa: E402
-from aegis.attacks import dager, embedding_norm, mlp_span, shared_gradient, spectral  # noqa: E402
-from aegis.attacks.candidates import Verifier, secret_candidates, verification_accuracy  # noqa: E402
-from aegis.attacks.labels import label_leak, label_test  # noqa: E402
-from aegis.attacks.repeated import averaged_export  # noqa: E402
-from aegis.config import Preset  # noqa: E402
-from aegis.data import LABELS, load_corpus  # noqa: E402
-from aegis.metrics import null_gradient, rouge  # noqa: E402
-from aegis.models import default_decoder, default_encoder  # noqa: E402
+import aegis
+from aegis import AegisConfig, ExposurePolicy, Treatment
+from aegis.attacks import shared_gradient, text_attacks
+from aegis.attacks.candidates import Verifier, secret_candidates, verification_accuracy
+from aegis.attacks.labels import label_leak, label_test
+from aegis.attacks.repeated import averaged_export
+from aegis.config import Preset
+from aegis.data import LABELS, load_corpus
+from aegis.metrics import null_gradient, rouge
+from aegis.models import default_decoder, default_encoder
 
 LAMS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 QUICK_LAMS = (0.0, 1.0, 4.0)
@@ -56,7 +54,7 @@ CONTROL_LAMS = (0.0, 1.0)  # --presets-only: rho 0.3 there shows each attack rea
 RHOS = (0.0, 0.3)
 EXPOSURES = (1, 4, 16, 64, 256)
 QUICK_EXPOSURES = (1, 4)
-TEXT_ATTACKS = {"dager": dager, "embedding_norm": embedding_norm, "mlp_span": mlp_span, "spectral": spectral}
+TEXT_ATTACKS = text_attacks(("dager", "embedding_norm", "mlp_span", "spectral"))
 ATTACKS = (*TEXT_ATTACKS, "labels", "fingerprint")
 ROWS = ("token_embedding", "position_embedding", "lm_head", "head", "token_embedding_lora")
 PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(10000)]

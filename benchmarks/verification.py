@@ -38,25 +38,23 @@ import itertools
 import json
 import math
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
 
-import aegis  # noqa: E402
-from aegis import AegisConfig, Calibration, ExposurePolicy, Treatment  # noqa: E402
-from aegis.attacks import shared_gradient  # noqa: E402
-from aegis.attacks.candidates import Candidate, Verifier, score_accuracy, verification_accuracy  # noqa: E402
-from aegis.attacks.fingerprint import VARIANTS  # noqa: E402
-from aegis.attacks.labels import label_accuracy, label_leak, label_null  # noqa: E402
-from aegis.attacks.repeated import averaged_export, joint_scores  # noqa: E402
-from aegis.config import Preset  # noqa: E402
-from aegis.data import LABELS, load_corpus  # noqa: E402
-from aegis.models import default_decoder, default_encoder  # noqa: E402
+import aegis
+from aegis import AegisConfig, Calibration, ExposurePolicy, Treatment
+from aegis.attacks import shared_gradient
+from aegis.attacks.candidates import Candidate, Verifier, score_accuracy, verification_accuracy
+from aegis.attacks.fingerprint import VARIANTS
+from aegis.attacks.labels import label_accuracy, label_leak, label_null
+from aegis.attacks.repeated import averaged_export, joint_scores
+from aegis.config import Preset
+from aegis.data import LABELS, load_corpus
+from aegis.models import default_decoder, default_encoder
 
 PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(10000)]  # distinct: 7919 is prime to 10^4
 ROWS = ("token_embedding", "position_embedding", "lm_head", "token_embedding_lora", "head")

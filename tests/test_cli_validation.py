@@ -63,7 +63,7 @@ def _error(result) -> str:
         ({"models": ("decoder",), "attacks": ("labels",)}, "--attacks", "--models encoder"),
         ({"rounds": 0}, "--rounds", "from 1"),
         ({"batch_size": 1000}, "--batch-size", "to 64"),
-        ({"attack_rounds": 5}, "--attack-rounds", "at most 3"),
+        ({"attack_rounds": 5}, "--attack-rounds", "more than --rounds 2: use at most 2"),
         ({"attack_rounds": -1}, "--attack-rounds", "0 attacks every round"),
         ({"validation_share": 0.9}, "--validation-share", "0.5"),
         ({"models": ("encoder",), "decoder": "gpt2"}, "--model", "drop --model"),

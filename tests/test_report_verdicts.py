@@ -69,7 +69,8 @@ def test_recommendations():
     by = {v.defence: v for v in report.verdicts}
     kinds = {d: recommendation(by[d], utility_verdict(report, "decoder", d)) for d in PPL}
     assert kinds["none"][0] == "leak" and "no protection" in kinds["none"][1]
-    assert kinds["aegis-verification"] == ("leak", "private only because it does not train: not usable")
+    # private, but not usable: its colour is not a leak's
+    assert kinds["aegis-verification"] == ("unusable", "private only because it does not train: not usable")
     assert kinds["prune-90"][0] == "leak" and "not private" in kinds["prune-90"][1]
     assert kinds["dp-sgd-C1-z1"] == ("holds", "use: private and trains")
 

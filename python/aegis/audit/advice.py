@@ -67,14 +67,17 @@ def private(v: Verdict) -> bool:
 
 
 def recommendation(v: Verdict, utility: UtilityVerdict) -> tuple[str, str]:
-    """(kind, text): kind is "holds" (use it), "leak" (do not) or "suspect" (rerun first), as the page colours."""
+    """(kind, text), the page's colour and the advice. kind: "holds" (use it), "suspect" (rerun first),
+    "unusable" (private, but it does not train), "leak" (it leaks), "reference" (the undefended run and the
+    paper's batch calibration, kept to compare with, where no attack read them)."""
     if v.defence == NONE:
-        return "leak", "the undefended reference: no protection"
+        return "leak" if not v.holds else "reference", "the undefended reference: no protection"
     if v.calibration == "batch":
-        return "leak", "reproduces the paper only: its noise level fingerprints the batch"
+        return ("leak" if not private(v) else "reference",
+                "reproduces the paper only: its noise level fingerprints the batch")
     if utility.trains is False:
-        return "leak", ("private only because it does not train: not usable" if private(v)
-                        else "leaks and does not train: avoid")
+        return ("unusable", "private only because it does not train: not usable") if private(v) else (
+            "leak", "leaks and does not train: avoid")
     if not private(v):
         return "leak", "not private here: see the verdict"
     if v.suspect and v.holds:
@@ -93,7 +96,7 @@ class Advice:
     defence: str
     privacy: str
     utility: UtilityVerdict
-    kind: str  # the recommendation's colour: "holds", "leak" or "suspect"
+    kind: str  # the recommendation's colour (:func:`recommendation`)
     recommendation: str
 
 

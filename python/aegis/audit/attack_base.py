@@ -21,6 +21,8 @@ from ..registry import DefenceSpec
 from .options import AuditConfig
 from .records import AttackRecord, NullBaseline, Reconstruction
 
+MAX_LENGTH = 64  # tokens per sentence the clients train on (a public setting of the federation)
+
 # Rough cost of one unit of work in seconds on 2 quiet cores (the quick audit's decoder): progress
 # advances by these, so the ETA is about right from the start.
 COST = {

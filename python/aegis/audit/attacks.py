@@ -22,21 +22,23 @@ Encoder candidates carry their true labels: the attacker is given the labels, an
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 
 from torch import Tensor, nn
 
+from ..attacks.registry import Family, attack, text_attack
 from ..data import Example
 from ..defence import Aegis
 from ..registry import DefenceSpec
-from .attack_base import COST, AuditAttack, ModelContext, Target, server_copy
+from .attack_base import COST, MAX_LENGTH, AuditAttack, ModelContext, Target, server_copy
 from .label_attack import LabelAttack
 from .loss_attack import LossOracle
-from .options import TEXT_ATTACKS
 from .records import AttackRecord, NullBaseline, Reconstruction, rank_sum_p
 
 MAX_TOKENS = 60  # prediction tokens kept per reconstruction (the rest is counted)
+BOUNDED = ("dager", "mlp_span")  # prefix searches whose length limit is otherwise the model's context
 SECRET_TEMPLATE = "my pin is {}"
 
 
@@ -104,9 +106,10 @@ class TextAttack(AuditAttack):
         self.name = name
 
     def _fn(self):
-        from .. import attacks
-
-        return getattr(attacks, self.name)
+        fn = text_attack(self.name)
+        if self.name in BOUNDED:  # the clients' sentences end by MAX_LENGTH: a longer search finds only noise
+            return functools.partial(fn, max_len=MAX_LENGTH)
+        return fn
 
     def null(self, ctx: ModelContext, first: Target) -> NullBaseline:
         from ..metrics import null_gradient
@@ -334,10 +337,12 @@ class FingerprintSecret(_Fingerprint):
 
 
 def make(name: str) -> AuditAttack:
-    if name in TEXT_ATTACKS:
+    """The audit's attack of a registry name (:mod:`aegis.attacks.registry`)."""
+    family = attack(name, "--attacks").family
+    if family is Family.TEXT:
         return TextAttack(name)
-    if name == "loss_oracle":
+    if family is Family.LOSS:
         return LossOracle()
-    if name == "labels":
+    if family is Family.LABELS:
         return LabelAttack()
     return {"fingerprint_pool": FingerprintPool, "fingerprint_secret": FingerprintSecret}[name]()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..attacks.registry import ATTACKS as REGISTERED
 from ..config import Promise, Threat
 from ..harness.output import clean
 
@@ -27,17 +28,7 @@ FLOOR = 0.05
 ALPHA = 0.01
 
 # The threat each attack measures: a preset's promise is broken by a leak of an attack on a threat it stops.
-THREATS = {
-    "dager": Threat.SENTENCES,
-    "embedding_norm": Threat.RECONSTRUCTION,
-    "mlp_span": Threat.SENTENCES,
-    "spectral": Threat.RECONSTRUCTION,
-    "tag": Threat.SENTENCES,
-    "labels": Threat.RECONSTRUCTION,
-    "fingerprint_pool": Threat.VERIFICATION,
-    "fingerprint_secret": Threat.VERIFICATION,
-    "loss_oracle": Threat.VERIFICATION,
-}
+THREATS = {a.name: Threat(a.threat) for a in REGISTERED}
 
 
 def rank_sum_p(ranks: list[float], n: int) -> float:

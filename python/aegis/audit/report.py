@@ -17,6 +17,8 @@ from ..harness.style import number_cell as _num
 from .advice import TRAINS_SHARE, UtilityVerdict, advice
 from .records import FLOOR, MARGIN, AttackRecord, AuditReport
 
+# the recommendation kinds the shared style lacks (aegis.audit.advice.recommendation)
+KINDS_CSS = ".unusable{color:#7a2e8e;font-weight:600}.reference{color:#555}"
 BROKEN_ATTACK = FLOOR  # ROUGE-1 at or below this: the attack recovers nothing usable (the paper's bar)
 TEXT_METRIC = "rouge1"
 
@@ -47,14 +49,32 @@ class ReportWriter(OutputFolder):
 
     def finish(self, report: AuditReport) -> list[Path]:
         """report.json, privacy_utility.png and report.html."""
+        return [self.save(report), *self.render(report)]
+
+    def render(self, report: AuditReport) -> list[Path]:
+        """privacy_utility.png and report.html of ``report`` (finished or not), report.json untouched."""
 
         def write(folder: Path) -> list[Path]:
-            write_json(report_json(report), folder / "report.json")
             plot(report, folder / "privacy_utility.png")
             write_html(report, folder / "report.html", plot_name="privacy_utility.png")
-            return [folder / "report.json", folder / "privacy_utility.png", folder / "report.html"]
+            return [folder / "privacy_utility.png", folder / "report.html"]
 
         return self.write(write)
+
+
+def _partial(report: AuditReport) -> str:
+    if report.complete:
+        return ""
+    done, planned = rows_done(report)
+    return (f"<b>Partial report</b>: {done} of {planned} (model, defence) rows finished; "
+            "<code>aegis audit --resume &lt;this folder&gt;</code> runs the rest. ")
+
+
+def rows_done(report: AuditReport) -> tuple[int, int]:
+    """(model, defence) rows finished, and planned by the run's settings (at least those finished)."""
+    config = report.meta.get("config", {})
+    planned = len(config.get("models", [])) * len(config.get("defences", []))
+    return len(report.verdicts), max(planned, len(report.verdicts))
 
 
 # -- helpers -------------------------------------------------------------------------------------------------------
@@ -121,6 +141,10 @@ def plot(report: AuditReport, path: Path) -> None:
 
     models = report.models()
     if not models:
+        fig = plt.figure(figsize=(6, 1.5))
+        fig.text(0.5, 0.5, "no (model, defence) row has finished yet", ha="center", va="center")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
         return
     defences = list(dict.fromkeys(u.defence for u in report.utility))
     style = {d: (PALETTE[i % len(PALETTE)], MARKERS[i % len(MARKERS)]) for i, d in enumerate(defences)}
@@ -290,13 +314,13 @@ def write_html(report: AuditReport, path: Path, plot_name: str | None = None) ->
     config = meta.get("config", {})
     data = meta.get("data", {})
     parts = [
-        f"<!doctype html><html><head><meta charset='utf-8'><title>AEGIS audit</title><style>{CSS}</style>"
+        f"<!doctype html><html><head><meta charset='utf-8'><title>AEGIS audit</title><style>{CSS}{KINDS_CSS}</style>"
         "</head><body><h1>AEGIS audit</h1>"
     ]
     parts.append(
         f"<p>Data: {_e(data.get('source', ''))}; validation: {_e(data.get('validation', ''))}. "
         f"{config.get('clients')} clients, {config.get('rounds')} rounds, batch {config.get('batch_size')}, "
-        f"seed {config.get('seed')}. {'' if report.complete else '<b>Incomplete run</b>: the rows below finished. '}"
+        f"seed {config.get('seed')}. {_partial(report)}"
         f"{meta.get('seconds', 0):.0f} s.</p>"
     )
     parts.append(

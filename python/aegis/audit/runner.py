@@ -6,16 +6,22 @@ then, for each defence, the clients run FedSGD rounds through Flower's Message A
 (``aegis.fl.run_rounds``), the honest-but-curious server keeps every gradient it receives, the attacks
 read those of the first ``attack_rounds`` rounds (all with 0) with the server's copy of that round's
 global model, and utility is the global model's validation perplexity (decoder) or accuracy and
-macro-F1 (encoder) after the last round. After each defence the report so far goes to ``sink`` (the CLI
-writes it to disk), so a late failure loses nothing that finished.
+macro-F1 (encoder) after the last round.
+
+A (model, defence) row enters the report whole, with its verdict, and the report so far goes to ``sink``
+(the CLI writes it to disk): an interrupted or failed run keeps every finished row, and ``resume=`` runs
+only the rows an earlier report lacks. Each row draws from a seed of its own, so it does not depend on
+the rows that ran before it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
+import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,44 +30,25 @@ from ..data import Example
 from ..errors import UsageError
 from ..harness.evaluate import chance_accuracy, metric_of
 from ..harness.evaluate import evaluator as shared_evaluator
+from ..registry import DefenceSpec
 from . import attacks as audit_attacks
-from .attacks import COST, ModelContext, Target, server_copy
+from .attacks import COST, MAX_LENGTH, ModelContext, Target, server_copy
+from .costs import Stage, StageCosts
 from .dataset import AuditData, load
-from .options import (  # noqa: F401 (re-exported names)
-    ATTACKS,
-    DEFAULT_ATTACKS,
-    DEFENCES,
-    EMBEDDED_DECODERS,
-    MODELS,
-    QUICK_DEFENCES,
-    AuditConfig,
-    DefenceSpec,
-    resolve_defence,
-)
-from .records import AuditReport, NullBaseline, RoundsRecord, UtilityRecord, verdicts
-
-MAX_LENGTH = 64  # tokens per sentence the clients train on (a public setting of the federation)
-
-
-@dataclass
-class Progress:
-    """Callbacks for progress output (no-ops by default): ``total(cost)``, then ``advance(label, cost)`` as
-    work finishes (costs are rough seconds, :data:`aegis.audit.attacks.COST`)."""
-
-    total: Callable[[float], None] = field(default=lambda cost: None)
-    advance: Callable[..., None] = field(default=lambda label, cost=1.0: None)
-
+from .options import EMBEDDED_DECODERS, AuditConfig, resolve_defence
+from .progress import Progress
+from .records import AuditReport, RoundsRecord, UtilityRecord, verdicts
 
 # -- models and batches --------------------------------------------------------------------------------------------
 
 
 def load_model(kind: str, config: AuditConfig, num_labels: int):
     """The audit's decoder or encoder, with the loss named so transformers does not warn about it."""
-    from ..models import default_decoder, default_encoder
+    from ..models import DecoderArch, default_decoder, default_encoder
 
     if kind == "decoder":
         if config.decoder in EMBEDDED_DECODERS:
-            model, tok = default_decoder(arch=EMBEDDED_DECODERS[config.decoder], seed=config.seed)
+            model, tok = default_decoder(arch=DecoderArch(EMBEDDED_DECODERS[config.decoder]), seed=config.seed)
         else:
             model, tok = default_decoder(name=config.decoder, seed=config.seed)
         loss = "ForCausalLM"
@@ -184,6 +171,9 @@ def federate(
     metric = metric_of(ctx.kind)
     eps = [r["epsilon"] for r in run.reports if "epsilon" in r]
     delta = next((r["delta"] for r in run.reports if "delta" in r), None)
+    if not eps and defence.aegis is not None:  # AEGIS clients run inside Flower's mod: ask the shield
+        epsilon, delta = aegis_privacy(ctx, defence)
+        eps = [epsilon] if epsilon is not None else []
     utility = UtilityRecord(
         ctx.kind,
         defence.name,
@@ -200,11 +190,22 @@ def federate(
     return Federation(targets, models, utility, RoundsRecord(ctx.kind, defence.name, run.rounds))
 
 
-def _round_cost(config: AuditConfig, spec: DefenceSpec) -> float:
-    return COST["round"] + (config.clients * COST["masked"] if spec.aegis is not None else 0.0)
+def aegis_privacy(ctx: ModelContext, defence: DefenceSpec) -> tuple[float | None, float | None]:
+    """An AEGIS defence's (epsilon, delta) per example on this model (the shield's own statement,
+    :meth:`aegis.shield.CoverageReport.privacy`); (None, None) for a baseline or without a public level."""
+    if defence.aegis is None:
+        return None, None
+    from ..defence import Aegis
+
+    shield = Aegis(defence.aegis).attach(server_copy(ctx.model))
+    try:
+        found = shield.report()
+    finally:
+        shield.detach()
+    return found.get("epsilon"), found.get("delta")
 
 
-# -- the audit -----------------------------------------------------------------------------------------------------
+# -- the audit ---------------------------------------------------------------------------------------------------
 
 
 def meta(config: AuditConfig, data: AuditData) -> dict:
@@ -219,7 +220,63 @@ def meta(config: AuditConfig, data: AuditData) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "seconds": 0.0,
+        "cpu_seconds": 0.0,
+        "stages": {},  # CPU seconds of every finished stage, by its key (aegis.audit.costs)
     }
+
+
+def plan(config: AuditConfig, report: AuditReport) -> list[Stage]:
+    """Every stage still to run, in order: per model, the null baselines not yet in ``report``, then per
+    defence without a verdict its federation and its attacks."""
+    specs = [resolve_defence(d) for d in config.defences]
+    targets = config.clients * (config.attack_rounds or config.rounds)
+    done = {(v.model, v.defence) for v in report.verdicts}
+    have_null = {(n.model, n.attack) for n in report.nulls}
+    stages = []
+    for kind in config.models:
+        todo = [spec for spec in specs if (kind, spec.name) not in done]
+        if not todo:
+            continue
+        attacks = [audit_attacks.make(name) for name in config.attacks_for(kind)]
+        b = config.batch_size
+        stages += [Stage(kind, b, "null", f"null-{a.name}", COST["null"])
+                   for a in attacks if (kind, a.name) not in have_null]
+        for spec in todo:
+            rounds = config.rounds * (COST["round"] + (config.clients * COST["masked"] if spec.aegis else 0.0))
+            stages.append(Stage(kind, b, spec.name, "federate", rounds))
+            stages += [Stage(kind, b, spec.name, a.name, a.units(config, targets))
+                       for a in attacks if a.applies(kind, spec)]
+    return stages
+
+
+def seed_for(*parts: object) -> int:
+    """A seed of its own for each row (a model's nulls, a defence's federation): a row is the same whether
+    it runs in a fresh audit or a resumed one, whatever ran before it (AEGIS's keys stay fresh: no seed)."""
+    return zlib.crc32("/".join(map(str, parts)).encode())
+
+
+class _Stages:
+    """Starts and finishes stages: the progress hooks, their CPU time in the report, the cost history."""
+
+    def __init__(self, progress: Progress, costs: StageCosts, report: AuditReport) -> None:
+        self.progress, self.costs, self.report = progress, costs, report
+        self.report.meta.setdefault("stages", {})
+
+    @contextlib.contextmanager
+    def run(self, stage: Stage):
+        self.progress.start(stage)
+        cpu = time.process_time()
+        yield
+        spent = time.process_time() - cpu
+        self.report.meta["stages"][stage.key] = round(spent, 2)
+        self.costs.record(stage, spent)
+        self.progress.finish(stage, spent)
+
+
+def _counter(progress: Progress) -> Callable[[float], None]:
+    """An attack's ``tick``: each piece of its work (a gradient, a candidate) shows as the next step."""
+    count = iter(range(1, 1 << 30))
+    return lambda cost: progress.step(f"step {next(count)}")
 
 
 def run_audit(
@@ -228,30 +285,33 @@ def run_audit(
     *,
     data: AuditData | None = None,
     sink: Callable[[AuditReport], object] | None = None,
+    resume: AuditReport | None = None,
+    costs: StageCosts | None = None,
 ) -> AuditReport:
-    """Run everything and return the report; ``sink(report)`` after each defence (and at the end)."""
+    """Run everything and return the report; ``sink(report)`` after each (model, defence) row and at the end.
+    ``resume``: a report of an earlier, unfinished run of the same ``config``: its rows are kept, the rest run."""
     progress = progress or Progress()
     sink = sink or (lambda report: None)
+    costs = costs or StageCosts()
     data = data or load(config)
-    specs = [resolve_defence(d) for d in config.defences]
-    attack_rounds = config.attack_rounds or config.rounds
-    targets_per_defence = config.clients * attack_rounds
-    units = 0.0
-    for kind in config.models:
-        names = config.attacks_for(kind)
-        units += len(names) * COST["null"]
-        for spec in specs:
-            units += config.rounds * _round_cost(config, spec)
-            for name in names:
-                attack = audit_attacks.make(name)
-                if attack.applies(kind, spec):
-                    units += attack.units(config, targets_per_defence)
-    progress.total(units)
+    report = resume if resume is not None else AuditReport(meta(config, data))
+    report.complete = False
+    stages = plan(config, report)
+    progress.plan(stages, [costs.predict(s) for s in stages])
+    tracked = _Stages(progress, costs, report)
+    started, cpu_before = time.time() - report.meta.get("seconds", 0.0), report.meta.get("cpu_seconds", 0.0)
+    cpu_started = time.process_time()
 
-    report = AuditReport(meta(config, data))
-    started = time.time()
+    def save() -> None:
+        report.meta["seconds"] = round(time.time() - started, 1)
+        report.meta["cpu_seconds"] = round(cpu_before + time.process_time() - cpu_started, 1)
+        sink(report)
+
     label_ids = data.label_ids()
     for kind in config.models:
+        todo = [s for s in stages if s.model == kind]
+        if not todo:
+            continue
         model, tok = load_model(kind, config, num_labels=max(2, len(label_ids)))
         examples = client_examples(data, config)
         used = {id(e) for client in examples for batch in client for e in batch}
@@ -260,42 +320,45 @@ def run_audit(
         batches = [[ctx.build(b) for b in client] for client in examples]
         evaluate, chance = evaluator(ctx, data.validation)
         before = evaluate(model)
-        attacks = [audit_attacks.make(name) for name in config.attacks_for(kind)]
+        attacks = {a.name: a for a in (audit_attacks.make(name) for name in config.attacks_for(kind))}
 
         first_batch = batches[0][0]
         first = Target(1, 0, ctx.clean_gradient(first_batch), first_batch, examples[0][0], ctx.references(first_batch))
-        nulls: dict[str, NullBaseline] = {}
-        for attack in attacks:
-            nulls[attack.name] = attack.null(ctx, first)
+        nulls = {n.attack: n for n in report.nulls if n.model == kind}
+        for stage in (s for s in todo if s.defence == "null"):
+            attack = attacks[stage.what.removeprefix("null-")]
+            with tracked.run(stage):
+                torch.manual_seed(seed_for(config.seed, kind, "null", attack.name))
+                nulls[attack.name] = attack.null(ctx, first)
             report.nulls.append(nulls[attack.name])
-            progress.advance(f"{kind} · null · {attack.name}", COST["null"])
         del first
 
-        for spec in specs:
-
-            def on_round(r: int, spec=spec, kind=kind) -> None:
-                progress.advance(f"{kind} · {spec.name} · round {r}/{config.rounds}", _round_cost(config, spec))
-
-            fed = federate(ctx, spec, batches, examples, evaluate, before, chance, on_round)
+        for spec in (resolve_defence(d) for d in config.defences):
+            rows = [s for s in todo if s.defence == spec.name]
+            if not rows:
+                continue
+            with tracked.run(rows[0]):
+                torch.manual_seed(seed_for(config.seed, kind, spec.name))
+                fed = federate(ctx, spec, batches, examples, evaluate, before, chance,
+                               lambda r: progress.step(f"round {r}/{config.rounds}"))
+            results, recons = [], []
+            for stage in rows[1:]:
+                attack = attacks[stage.what]
+                with tracked.run(stage):
+                    record, recon = attack.run(ctx, spec, fed.targets, fed.models, nulls[attack.name],
+                                               _counter(progress))
+                results.append(record)
+                recons += recon
+            # a row enters the report whole, with its verdict: an interrupted row leaves nothing half-done
             report.utility.append(fed.utility)
             report.rounds.append(fed.rounds)
-            for attack in attacks:
-                if not attack.applies(kind, spec):
-                    continue
-
-                def tick(cost: float, name=attack.name, spec=spec, kind=kind) -> None:
-                    progress.advance(f"{kind} · {spec.name} · {name}", cost)
-
-                record, recon = attack.run(ctx, spec, fed.targets, fed.models, nulls[attack.name], tick)
-                report.results.append(record)
-                report.reconstructions += recon
+            report.results += results
+            report.reconstructions += recons
             report.verdicts.append(
                 verdicts(report.results, kind, spec.name, spec.calibration, spec.promise, config.batch_size)
             )
-            report.meta["seconds"] = round(time.time() - started, 1)
-            sink(report)
+            save()
             del fed
     report.complete = True
-    report.meta["seconds"] = round(time.time() - started, 1)
-    sink(report)
+    save()
     return report

@@ -10,7 +10,7 @@ from rich.table import Table
 from .advice import advice
 from .report import utility_text
 
-VERDICT_COLOURS = {"holds": "green", "leak": "red", "suspect": "yellow"}
+VERDICT_COLOURS = {"holds": "green", "leak": "red", "suspect": "yellow", "unusable": "magenta", "reference": "dim"}
 ABBREVIATIONS = {
     "embedding_norm": "emb",
     "mlp_span": "mlp",

@@ -21,12 +21,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, fields
 
+from ..attacks.registry import STUDY
 from ..errors import UsageError
 from ..exposure import ExposurePolicy
 from ..registry import parse_defence
 
 MODELS = ("decoder", "encoder")
-ATTACKS = ("dager", "embedding_norm", "mlp_span", "spectral", "tag", "labels", "fingerprint_pool")
+ATTACKS = STUDY  # what runs on a run's captured exports
 DEFENCES = ("none", "aegis-verification", "aegis-sentences", "dp-sgd", "prune-90", "soteria-80")
 GPU_ROUNDS = 300
 MAX_CLIENTS = 64

