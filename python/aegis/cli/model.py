@@ -84,6 +84,8 @@ def inspect(
     except ValueError as err:
         hint = "" if model in AUDIT_MODELS else f" (the audit's own models: {', '.join(map(repr, AUDIT_MODELS))})"
         raise fail(" ".join(str(err).split()) + hint) from None
+    except (OSError, ImportError) as err:  # weights that cannot be fetched or read (smollm2's cache, gguf)
+        raise fail(f"MODEL: {model}: {' '.join(str(err).split())}") from None
     report = shield.report()
     if not summary_only:
         table = Table(
