@@ -1,7 +1,7 @@
 """Secure rounds on CPU: wall time, CPU time and bytes of one SecAgg+ round at N clients, in process.
 
 ``python benchmarks/secure_rounds.py --clients 16 64 256``: one FedSGD round of
-:func:`aegis.fl.secure_rounds.run_secure_rounds` per N (a warm-up round at the smallest N first),
+:func:`aegis.fl.secure.rounds.run_secure_rounds` per N (a warm-up round at the smallest N first),
 every message through Flower's protobuf serde. Model: a one-layer GPT-2 (vocabulary 200, width 32;
 the trainable, non-attention parameters are the update, d recorded). SecAgg+ with ``num_shares``
 neighbours (default 15) and reconstruction threshold = the clients' pin (default 8, above half the
@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from aegis.fl.secure import SurvivorPin
-from aegis.fl.secure_rounds import run_secure_rounds
+from aegis.fl.secure.rounds import run_secure_rounds
 
 
 def cpu_name() -> str:

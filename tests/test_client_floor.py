@@ -134,7 +134,7 @@ def test_the_client_app_runs_the_nodes_pinned_preset_and_refuses_a_batch_outside
 
 
 def test_the_secure_app_takes_the_floor_from_the_node_not_the_server(client_log, monkeypatch):
-    from aegis.fl.secure_app import PIN_ENV, client_train
+    from aegis.fl.secure.app import PIN_ENV, client_train
 
     monkeypatch.delenv(PIN_ENV, raising=False)
     monkeypatch.delenv("AEGIS_PRESET", raising=False)
@@ -162,8 +162,8 @@ def test_a_node_keeps_the_models_of_its_most_recent_runs_only(monkeypatch):
 
 
 def test_a_secure_node_keeps_the_state_of_its_most_recent_runs_only(monkeypatch):
-    from aegis.fl import secure_app
     from aegis.fl.secure import SurvivorPin
+    from aegis.fl.secure import app as secure_app
 
     monkeypatch.setattr(secure_app, "decoder", lambda s: (tiny_gpt2(), None))
     monkeypatch.setattr(secure_app, "train_batches", lambda tok, part, parts, size: [lm_batch()])

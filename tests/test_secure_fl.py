@@ -1,4 +1,4 @@
-"""Secure rounds over Flower's SecAgg+ (aegis.fl.secure*): the server sees only the sum, each client adds
+"""Secure rounds over Flower's SecAgg+ (aegis.fl.secure): the server sees only the sum, each client adds
 a 1/sqrt(t) share of the flood, the mask generator is a cipher, server tricks are refused, the
 accountant states epsilon, and candidate verification on the sum stays at its null."""
 import importlib
@@ -18,10 +18,11 @@ from flwr.server.workflow import SecAggPlusWorkflow
 
 from aegis import AegisConfig, protect
 from aegis.config import Treatment
-from aegis.fl import secagg_patch
-from aegis.fl.accountant import epsilons, gaussian_epsilon, noise_multiplier, prv_epsilon, statement
-from aegis.fl.secure import REFUSAL, SecureGuard, SurvivorPin, check_quantisation, fitres_content, noise_share
-from aegis.fl.secure_rounds import run_secure_rounds
+from aegis.fl.secure import REFUSAL, SecureGuard, SurvivorPin, check_quantisation, noise_share
+from aegis.fl.secure import patch as secagg_patch
+from aegis.fl.secure.accountant import epsilons, gaussian_epsilon, noise_multiplier, prv_epsilon, statement
+from aegis.fl.secure.client import fitres_content
+from aegis.fl.secure.rounds import run_secure_rounds
 from fast_noise import fast_noise  # noqa: F401  (fixture)
 
 transformers.logging.set_verbosity_error()
@@ -200,7 +201,7 @@ def test_no_plain_text_leaves_a_client():
 
 
 def test_a_metric_or_a_count_in_the_reply_is_refused(monkeypatch):
-    import aegis.fl.secure as secure
+    import aegis.fl.secure.client as secure
 
     def leaky(update):
         content = fitres_content(update)
@@ -272,7 +273,7 @@ def test_sybil_clients_outside_the_peers_are_refused():
 def test_a_plain_train_message_is_refused_before_training():
     from flwr.app import ConfigRecord, Context, MessageType, RecordDict
 
-    from aegis.fl.simulation import flower_runtime
+    from aegis.fl.grid import flower_runtime
 
     def must_not_train(msg, ctx):
         raise AssertionError("the guard must refuse before training")
@@ -395,7 +396,7 @@ def test_a_run_states_its_epsilon_from_the_exports_per_example():
 
 # -- the shortcut (one batch of N x B examples + the full noise) ---------------------------------------
 def test_shortcut_equals_real_rounds_where_no_clip_binds_and_carries_the_full_noise():
-    from aegis.fl.shortcut import shortcut_sum
+    from aegis.fl.secure.shortcut import shortcut_sum
 
     batches, pin = [lm_batch(100 + c) for c in range(3)], SurvivorPin(3)
     gaps = {}
@@ -436,7 +437,7 @@ def _verify(model, tok, config, truths, views, t=3):
     scored 1-of-20 on each view of the round sum."""
     from aegis.attacks.candidates import Verifier, secret_candidates, verification_accuracy
     from aegis.attacks.fingerprint import lm_batch as text_batch
-    from aegis.fl.secure_audit import aggregate_views
+    from aegis.fl.secure.audit import aggregate_views
 
     cands = secret_candidates("my pin is {}", PINS)
     verifier = Verifier(model, tok, config)

@@ -1,7 +1,7 @@
-"""Secure rounds as the Flower app (aegis.fl.secure_app): in process, on Flower's simulation runtime
+"""Secure rounds as the Flower app (aegis.fl.secure.app): in process, on Flower's simulation runtime
 (`flwr run`, Ray) and on the deployment engine (SuperLink + SuperNodes, TLS, node authentication).
 
-Each side records what it saw under $AEGIS_FL_RECORD_DIR (aegis.fl.secure_record): the server's masked
+Each side records what it saw under $AEGIS_FL_RECORD_DIR (aegis.fl.secure.record): the server's masked
 vectors before unmasking and its unmasked sum, each client's own plain update. The checks: the sum is
 the survivors' sum to quantisation, every masked vector is uniform mod the modulus (a plain quantised
 update lies in [0, quantization_range], 2^-10 of it), and the cipher masks were installed.
@@ -23,14 +23,15 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.server.workflow import SecAggPlusWorkflow
 
-from aegis.fl import secagg_patch
+from aegis.fl.grid import flower_runtime
 from aegis.fl.secure import REFUSAL as GUARD_REFUSAL
 from aegis.fl.secure import SurvivorPin
-from aegis.fl.secure_app import PIN_ENV, node_pin, secure_settings
-from aegis.fl.secure_record import RECORD_ENV
-from aegis.fl.secure_rounds import run_secure_rounds
-from aegis.fl.secure_server import SecAggPlus
-from aegis.fl.simulation import flower_runtime, simulate
+from aegis.fl.secure import patch as secagg_patch
+from aegis.fl.secure.app import PIN_ENV, node_pin, secure_settings
+from aegis.fl.secure.record import RECORD_ENV
+from aegis.fl.secure.rounds import run_secure_rounds
+from aegis.fl.secure.server import SecAggPlus
+from aegis.fl.simulation import simulate
 from test_secure_fl import assert_sum_to_quantisation, data, tiny_gpt2
 
 README = Path(__file__).resolve().parents[1] / "python" / "aegis" / "fl" / "README.md"
@@ -215,8 +216,8 @@ def _run_config(aggregation: str, rounds: int, survivors: int, nodes: int, timeo
 
 
 @pytest.mark.slow
-# FedAvg: 1 round of 2 local steps trains on the texts FedSGD's 2 rounds do. The simulated nodes share
-# the host's exposure state, and later texts of the corpus share 8-token windows across partitions.
+# FedAvg: 1 round of 2 local steps trains on the texts FedSGD's 2 rounds do. The simulated nodes count their
+# exposures per run, each its own, and later texts of the corpus share 8-token windows across partitions.
 @pytest.mark.parametrize("aggregation, rounds", [("fedsgd", 2), ("fedavg", 1)])
 def test_secure_rounds_on_the_simulation_runtime(tmp_path, aggregation, rounds):
     """`flwr run` of the README's project on a simulation SuperLink (Ray); the nodes' pin comes from

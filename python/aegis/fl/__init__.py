@@ -32,8 +32,9 @@ from .client import (
     trainable_arrays,
 )
 from .floor import config_from_run_config
+from .grid import InProcessGrid, flower_runtime
 from .rounds import FederatedRun, SharedGradient, run_rounds
-from .simulation import InProcessGrid, flower_runtime, simulate
+from .simulation import simulate
 from .strategy import FedSGD
 
 __all__ = [

@@ -6,9 +6,10 @@ own templates do; the in-process runners live in :mod:`aegis.fl.simulation` and 
 """
 
 from .client_app import client_app
+from .grid import InProcessGrid, flower_runtime
 from .rounds import FederatedRun, SharedGradient, run_rounds
 from .server_app import server_app
-from .simulation import InProcessGrid, flower_runtime, simulate
+from .simulation import simulate
 from .task import DEFAULT_RUN_CONFIG, tokenize, validation_loss
 
 __all__ = [

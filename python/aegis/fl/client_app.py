@@ -1,6 +1,6 @@
 """The ClientApp (``flwr run`` component ``aegis.fl.client_app:app``): one FedSGD step on this SuperNode's
 shard of the corpus, masked by AEGIS under :class:`~aegis.fl.client.AegisMod`, or a secure round's stage
-(:mod:`aegis.fl.secure_app`) on a node that pins its survivors.
+(:mod:`aegis.fl.secure.app`) on a node that pins its survivors.
 
 The node's own settings (:mod:`aegis.fl.node`) decide what the server may not: the preset it runs at least
 (the run config may only tighten it, :mod:`aegis.fl.floor`), how many runs it keeps, and how soon it
@@ -19,7 +19,7 @@ from flwr.clientapp import ClientApp
 
 from .client import AegisMod, ClientTrainer, active_config, refuse
 from .node import ReplyFloor, RunCache, max_runs, node_floor, reply_floor, simulated
-from .secure_app import PIN_ENV, PIN_KEY, client_train, is_secure
+from .secure.app import PIN_ENV, PIN_KEY, client_train, is_secure
 from .task import decoder, settings, train_batches
 
 _TRAINERS: RunCache[ClientTrainer] = RunCache()
@@ -50,7 +50,7 @@ def train(msg: Message, context: Context) -> Message:
     """One FedSGD step on this SuperNode's corpus shard, masked by AEGIS at the node's floor.
 
     A node that pins its survivor count (node config ``aegis-min-survivors`` or ``AEGIS_MIN_SURVIVORS``)
-    answers only secure rounds (:func:`aegis.fl.secure_app.client_train`), whatever the run config says;
+    answers only secure rounds (:func:`aegis.fl.secure.app.client_train`), whatever the run config says;
     an unpinned node asked for one refuses. Every reply of a node that is not simulated leaves no earlier
     than its reply floor (:class:`~aegis.fl.node.ReplyFloor`); building the run's model is not timed."""
     try:

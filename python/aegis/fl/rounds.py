@@ -2,7 +2,7 @@
 
 :func:`run_rounds` runs the real client (:class:`~aegis.fl.client.ClientTrainer`, under
 :class:`~aegis.fl.client.AegisMod` for AEGIS) and the real strategy (:class:`~aegis.fl.strategy.FedSGD`)
-over an :class:`~aegis.fl.simulation.InProcessGrid`, and returns what the honest-but-curious server
+over an :class:`~aegis.fl.grid.InProcessGrid`, and returns what the honest-but-curious server
 received (:class:`SharedGradient`) with the private batch behind each reply, for the attacks to score.
 """
 
@@ -25,7 +25,7 @@ from ..exposure import ExposurePolicy
 from ..shield import protect
 from .client import AegisMod, ClientTrainer, load_arrays, server_round_of, trainable_arrays
 from .floor import config_from_run_config
-from .simulation import FIRST_NODE_ID, InProcessGrid, flower_log_level, flower_runtime
+from .grid import FIRST_NODE_ID, InProcessGrid, flower_log_level, flower_runtime
 from .strategy import FedSGD
 
 

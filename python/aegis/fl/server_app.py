@@ -17,7 +17,7 @@ from ..exposure import ExposurePolicy
 from ..shield import protect
 from .client import load_arrays, trainable_arrays
 from .floor import config_from_run_config
-from .secure_app import is_secure, server_main
+from .secure.app import is_secure, server_main
 from .strategy import FedSGD, fail_unless_accepted
 from .task import decoder, settings, validation_batches, validation_loss
 
@@ -29,7 +29,7 @@ server_app = app  # the name ``aegis.fl.app`` has always exported
 def main(grid: Grid, context: Context) -> None:
     """FedSGD on the trainable (non-attention) parameters; validation loss/perplexity after every round,
     also written to ``context.state["evaluation"]`` (lists indexed by round, round 0 = initial model).
-    With ``secure = true`` in the run config: secure rounds over SecAgg+ (:func:`aegis.fl.secure_app.server_main`)."""
+    With ``secure = true`` in the run config: secure rounds over SecAgg+ (:func:`aegis.fl.secure.app.server_main`)."""
     if is_secure(context.run_config):
         return server_main(grid, context)
     if context.run_config.get("aggregation", "fedsgd") != "fedsgd":

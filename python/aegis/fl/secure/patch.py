@@ -75,13 +75,13 @@ def install() -> None:
     current = getattr(modules[0], _NAME, None)
     if _original is None:
         if current is cipher_masks:
-            raise RuntimeError("aegis.fl.secagg_patch: installed by another copy of this module; import it once")
+            raise RuntimeError("aegis.fl.secure.patch: installed by another copy of this module; import it once")
         params = tuple(inspect.signature(current).parameters) if callable(current) else None
         if params != _SIGNATURE or getattr(current, "__module__", None) != _DEFINED_IN:
             raise RuntimeError(
                 f"Flower's SecAgg+ mask generator changed ({_DEFINED_IN}.{_NAME} is {current!r} with parameters "
                 f"{params}, expected {_SIGNATURE}): aegis.fl.secure cannot replace it safely; pin flwr==1.42.* "
-                "or update aegis.fl.secagg_patch for this Flower release"
+                "or update aegis.fl.secure.patch for this Flower release"
             )
         _original = current
     for module in modules:
@@ -89,8 +89,8 @@ def install() -> None:
         if bound is not _original and bound is not cipher_masks:
             raise RuntimeError(
                 f"{module.__name__}.{_NAME} is {bound!r}, neither Flower's original generator nor "
-                "aegis.fl.secagg_patch.cipher_masks: Flower's SecAgg+ internals changed; pin flwr==1.42.* or "
-                "update aegis.fl.secagg_patch"
+                "aegis.fl.secure.patch.cipher_masks: Flower's SecAgg+ internals changed; pin flwr==1.42.* or "
+                "update aegis.fl.secure.patch"
             )
     for module in modules:
         setattr(module, _NAME, cipher_masks)
@@ -105,7 +105,7 @@ def require_installed() -> None:
     """Fail closed: a secure round must not run with Flower's 32-bit-seeded generator."""
     if not installed():
         raise RuntimeError(
-            "Flower's SecAgg+ still masks with its 32-bit-seeded generator: call aegis.fl.secagg_patch.install() "
+            "Flower's SecAgg+ still masks with its 32-bit-seeded generator: call aegis.fl.secure.patch.install() "
             "in the ClientApp and the ServerApp process before a secure round"
         )
 

@@ -2,8 +2,8 @@
 
 A secure FedSGD round gives the server ``S = sum_i rho clip(G_i) + noise`` over the survivors, the
 noise of every flooded tensor at least one full flood (``sigma``) when the survivors are at least the
-clients' pin (:mod:`aegis.fl.secure`). :func:`aggregate_views` turns a round of
-:func:`~aegis.fl.secure_rounds.run_secure_rounds` into what candidate verification
+clients' pin (:mod:`aegis.fl.secure.client`). :func:`aggregate_views` turns a round of
+:func:`~aegis.fl.secure.rounds.run_secure_rounds` into what candidate verification
 (:class:`aegis.attacks.candidates.Verifier`) scores, as an export of the target client:
 
 * ``"realistic"``: the sum itself; the other clients' updates are unknown and act as interference;
@@ -23,12 +23,12 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from ..config import AegisConfig
-from ..defence import Batch, LossFn, lm_loss
-from ..exposure import ExposurePolicy
-from ..shield import protect
-from .secure import noise_share
-from .secure_rounds import SecureRun
+from ...config import AegisConfig
+from ...defence import Batch, LossFn, lm_loss
+from ...exposure import ExposurePolicy
+from ...shield import protect
+from .client import noise_share
+from .rounds import SecureRun
 
 
 def bare_signal(model: nn.Module, batch: Batch, config: AegisConfig, loss_fn: LossFn = lm_loss) -> dict[str, Tensor]:

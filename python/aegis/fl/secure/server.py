@@ -20,10 +20,11 @@ from flwr.server.strategy import Strategy
 from flwr.server.workflow import SecAggPlusWorkflow
 from torch import nn
 
-from ..config import AegisConfig
-from ..exposure import ExposurePolicy
-from ..shield import protect
-from .secure import SurvivorPin, entry_bound, noise_share
+from ...config import AegisConfig
+from ...exposure import ExposurePolicy
+from ...shield import protect
+from .client import entry_bound, noise_share
+from .guard import SurvivorPin
 
 
 class SecAggPlus(SecAggPlusWorkflow):

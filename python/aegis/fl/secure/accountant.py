@@ -1,6 +1,6 @@
 """(epsilon, delta) per example for secure rounds: :mod:`aegis.accounting` (Flower-free, so that
 :meth:`aegis.Shield.report` states it too), named here for the secure-round code that reads it."""
-from ..accounting import (
+from ...accounting import (
     DELTA,
     PrivacyStatement,
     Table,

@@ -1,8 +1,8 @@
 """Secure FedSGD / FedAvg rounds over Flower's SecAgg+ in this process, every message serialised.
 
 :func:`run_secure_rounds` drives Flower's ``DefaultWorkflow(fit_workflow=SecAggPlus(...))`` with
-:class:`~aegis.fl.secure_server.SecureStrategy` over a :class:`~aegis.fl.simulation.SerialisingGrid`,
-whose clients are :class:`~aegis.fl.secure.SecureTrainer` under ``[SecureGuard, secaggplus_mod]``;
+:class:`~aegis.fl.secure.server.SecureStrategy` over a :class:`~aegis.fl.grid.SerialisingGrid`,
+whose clients are :class:`~aegis.fl.secure.client.SecureTrainer` under ``[SecureGuard, secaggplus_mod]``;
 the grid's bytes are the server's wire, kept for the audit.
 """
 from __future__ import annotations
@@ -23,22 +23,17 @@ from flwr.server import LegacyContext, ServerConfig
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from torch import Tensor, nn
 
-from ..config import AegisConfig, simulated_client
-from ..defence import Batch, LossFn, lm_loss
-from ..exposure import ExposurePolicy
-from ..shield import protect
-from . import secagg_patch
+from ...config import AegisConfig, simulated_client
+from ...defence import Batch, LossFn, lm_loss
+from ...exposure import ExposurePolicy
+from ...shield import protect
+from ..client import trainable_arrays
+from ..grid import FIRST_NODE_ID, SUPERLINK_NODE_ID, SerialisingGrid, flower_log_level, flower_runtime
+from . import patch
 from .accountant import PrivacyStatement, noise_multiplier, statement
-from .client import trainable_arrays
-from .secure import (
-    MAX_WEIGHT,
-    SecureGuard,
-    SecureTrainer,
-    SurvivorPin,
-    check_quantisation,
-)
-from .secure_server import SecAggPlus, SecureStrategy, required_clipping_range
-from .simulation import FIRST_NODE_ID, SUPERLINK_NODE_ID, SerialisingGrid, flower_log_level, flower_runtime
+from .client import SecureTrainer
+from .guard import MAX_WEIGHT, SecureGuard, SurvivorPin, check_quantisation, reply_stage
+from .server import SecAggPlus, SecureStrategy, required_clipping_range
 
 __all__ = ["SecAggPlus", "SecureRun", "SecureStrategy", "SerialisingGrid", "required_clipping_range",
            "run_secure_rounds"]
@@ -119,7 +114,7 @@ def run_secure_rounds(
     extra_nodes, workflow:     the audit's hooks: ClientApps the server runs itself (sybils), a
                                ``SecAggPlusWorkflow`` subclass (a server that lies about dropouts).
     """
-    secagg_patch.install()
+    patch.install()
     n = len(client_batches)
     pins, configs = _per_client(pin, n, "pin"), _per_client(config or AegisConfig(), n, "config")
     configs = [simulated_client(c) for c in configs]  # each its own counts, as separate machines would keep
@@ -150,7 +145,7 @@ def run_secure_rounds(
     apps.update(extra_nodes or {})
     for node in apps:
         contexts[node] = Context(run_id=0, node_id=node, node_config={}, state=RecordDict(), run_config={})
-    grid = SerialisingGrid(apps, contexts, absent=absent)
+    grid = SerialisingGrid(apps, contexts, absent=absent, stage_of=reply_stage)
 
     strategy = SecureStrategy([a.numpy() for a in trainable_arrays(server_model).values()], algorithm=algorithm,
                               optimizer=optimizer, lr=lr, local_steps=local_steps, min_clients=nodes_total)

@@ -1,7 +1,7 @@
 """The round sum of N clients without running the round: one batch of N x B examples and the full noise.
 
 A secure FedSGD round at one global model gives the server ``sum_i rho clip(G_i) + noise`` with noise
-``sigma * sqrt(N / t)`` per entry (:mod:`aegis.fl.secure`). When no client's clip or row threshold binds,
+``sigma * sqrt(N / t)`` per entry (:mod:`aegis.fl.secure.client`). When no client's clip or row threshold binds,
 ``sum_i rho clip(G_i) = rho * N * G`` with G the gradient of the N x B examples' mean loss (equal-length
 batches: the mean over all tokens is the mean of the clients' means), so one backward pass and one
 flood with sigma times sqrt(N / t) and clip and threshold times N give the same sum in distribution:
@@ -18,11 +18,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ..config import AegisConfig
-from ..defence import Batch, LossFn, lm_loss
-from ..exposure import ExposurePolicy
-from ..shield import protect
-from .secure import SurvivorPin
+from ...config import AegisConfig
+from ...defence import Batch, LossFn, lm_loss
+from ...exposure import ExposurePolicy
+from ...shield import protect
+from .guard import SurvivorPin
 
 
 def concat(batches: Sequence[Batch]) -> Batch:

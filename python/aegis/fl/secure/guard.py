@@ -1,47 +1,30 @@
-"""Client side of AEGIS over Flower's SecAgg+: a noise share per client, the server sees only the sum.
+"""The outermost client mod of a secure round: what a client accepts of a SecAgg+ round, and what it sends.
 
-Each client floods its update with the shield's public parameters but ``sigma / sqrt(t)``
-(:func:`noise_share`), where ``t`` is the smallest number of survivors *the client* accepts
-(:class:`SurvivorPin`), never a number the server sends. The sum over ``n >= t`` survivors then carries
-noise of standard deviation ``sigma * sqrt(n / t) >= sigma`` per entry: at least one full flood.
-
-The client is three layers, outermost first (``@app.train(mods=[SecureGuard(pin), secaggplus_mod])``
-around :class:`SecureTrainer`):
-
-* :class:`SecureGuard` answers only SecAgg+ stages and refuses (error reply, nothing sent) a round
-  whose setup asks for less than the pin: a reconstruction threshold below ``t`` or not above half the
-  shares (a server that tells different clients different dropouts could otherwise rebuild one
-  client's mask), fewer than ``t`` sampled clients, a modulus that overflows for the sampled count, a
-  weight that does not quantise exactly, peers outside the client's allow-list (sybils), fewer than
-  ``t`` neighbours at any later stage, or being told it dropped. On the way out it lets through only
-  the SecAgg+ record and the legacy FitRes fields with public constants (``num_examples`` 1, no
-  metrics, status OK and empty): nothing travels in the clear.
-* Flower's ``secaggplus_mod`` quantises and masks (with :mod:`aegis.fl.secagg_patch`'s cipher).
-* :class:`SecureTrainer` trains (FedSGD: one batch; FedAvg: E local SGD steps, reply = pseudo-gradient
-  ``(global - local) / lr``), floods each step with the share, and checks before replying that the
-  server's ``clipping_range`` covers every entry's signal bound plus 8 standard deviations of its noise.
+A client floods its update with a ``1 / sqrt(t)`` share of the flood (:mod:`aegis.fl.secure.client`), where
+``t`` is the smallest number of survivors *the client* accepts (:class:`SurvivorPin`), never a number the
+server sends. :class:`SecureGuard` answers only SecAgg+ stages and refuses (error reply, nothing sent) a round
+whose setup asks for less than the pin: a reconstruction threshold below ``t`` or not above half the shares
+(a server that tells different clients different dropouts could otherwise rebuild one client's mask), fewer
+than ``t`` sampled clients, a modulus that overflows for the sampled count, a weight that does not quantise
+exactly, nodes outside the client's peer list (where it has one: without one, every node the server names
+counts toward ``t``, nodes the server runs itself included), fewer than ``t`` neighbours at any later stage,
+or being told it dropped. On the way out it lets through only the SecAgg+ record and the legacy FitRes
+fields with public constants (``num_examples`` 1, no metrics, status OK and empty): nothing travels in the
+clear. :func:`check_quantisation` is the quantisation rule both sides check.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.app.message_type import MessageType
-from flwr.common import bytes_to_ndarray
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
-from torch import Tensor, nn
 
-from ..config import AegisConfig
-from ..defence import Batch, LossFn, lm_loss
-from ..shield import Shield, protect
-from . import secagg_patch
-from .client import MOD_FAILED_PRECONDITION
+from ..client import MOD_FAILED_PRECONDITION
+from . import patch
 
 # The legacy FitRes layout the SecAgg+ workflow reads (flwr.compat's fitres_to_recorddict), with the
 # only values an AEGIS client sends in the clear: public constants.
@@ -101,46 +84,6 @@ class SurvivorPin:
         return 1.0 / math.sqrt(self.min_survivors)
 
 
-# -- the share -------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def noise_share(shield: Shield, scale: float) -> Iterator[Tensor]:
-    """For the ``mask_()`` calls in the block: the shield's public (rho, sigma, clip, thr) table with
-    sigma times ``scale`` (1/sqrt(t) for a share; 0 gives the bare signal rho clip(G), for attacks).
-
-    Yields the table the floods use (a copy). Needs the public calibration (the batch calibration's
-    sigma reads the private gradient, so no share of it can be sized in advance)."""
-    if not 0.0 <= scale <= 1.0:
-        raise ValueError(f"scale={scale}: a noise share is a factor in [0, 1] on the flood's sigma")
-    with shield.scaled_table(sigma=scale) as table:
-        yield table
-
-
-def entry_bound(tables: Sequence[Tensor]) -> float:
-    """The largest entry an update of these steps can take, with the shares' noise at CLIP_SDS sd:
-    sum over steps of rho * clip (every clipped row or tensor bounds each entry) plus CLIP_SDS times
-    the root sum of the steps' sigma^2, maximised over tensors."""
-    if not tables or tables[0].numel() == 0:
-        return 0.0
-    t = torch.stack([x.double() for x in tables])  # (steps, tensors, 4)
-    signal = (t[..., 0] * t[..., 2]).sum(0)
-    noise = t[..., 1].pow(2).sum(0).sqrt()
-    bound = signal + CLIP_SDS * noise
-    if not bool(torch.isfinite(bound).all()):
-        raise ValueError("the shield's public table has a non-finite clip or sigma: no clipping range covers it")
-    return float(bound.max())
-
-
-def noise_floor(tables: Sequence[Tensor]) -> float:
-    """The smallest noise sd of an update of these steps over its noisy tensors: the root sum of the steps'
-    sigma^2, minimised over the tensors that have noise (inf for none; a configuration without noise on a
-    tensor, lam 0, sends it as it is, and no step compares with that)."""
-    if not tables or tables[0].numel() == 0:
-        return math.inf
-    t = torch.stack([x.double() for x in tables])  # (steps, tensors, 4)
-    sd = t[..., 1].pow(2).sum(0).sqrt()
-    sd = sd[sd > 0]
-    return float(sd.min()) if sd.numel() else math.inf
-
 
 def check_quantisation(*, clipping_range: float, quantization_range: int, modulus_range: int,
                        max_weight: float, clients: int, bound: float | None = None,
@@ -168,7 +111,7 @@ def check_quantisation(*, clipping_range: float, quantization_range: int, modulu
         raise ValueError(
             f"clipping_range={clipping_range}: the update's entries reach {bound:.4g} (signal + {CLIP_SDS:g} sd of "
             f"the noise share) and SecAgg+ would clip them silently; use SecAggPlusWorkflow(clipping_range >= "
-            f"{bound:.4g}) (aegis.fl.secure_server.required_clipping_range)"
+            f"{bound:.4g}) (aegis.fl.secure.server.required_clipping_range)"
         )
     step = 2 * clipping_range / quantization_range
     if noise is not None and noise > 0 and not step <= QUANT_STEP_SDS * noise:
@@ -236,7 +179,7 @@ class SecureGuard:
         if msg.metadata.message_type != MessageType.TRAIN:
             return self._refuse(msg, "a secure AEGIS client answers SecAgg+ train rounds only")
         try:
-            secagg_patch.require_installed()
+            patch.require_installed()
             stage = self._check_in(msg, context)
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
             return self._refuse(msg, str(err))
@@ -322,81 +265,10 @@ def _clear_text(content: RecordDict, stage: str) -> str | None:
     return None
 
 
-# -- the trainer -----------------------------------------------------------------------------------
-class SecureTrainer:
-    """The train function inside ``secaggplus_mod``: the update floods with the pin's noise share.
-
-    Reads the legacy FitIns (``fitins.parameters`` in ``names`` order, ``fitins.config`` with
-    ``server-round``, ``algorithm`` "fedsgd" | "fedavg", and for FedAvg ``local-steps`` and ``lr``) and
-    replies in the legacy FitRes layout with public constants. Round r takes the E batches from
-    ``batches[(r - 1) * E]`` on (FedSGD: E = 1), cyclically: each round fresh batches, so a FedAvg client
-    exports no batch twice before it has used them all (AEGIS's exposure budget counts re-exports).
-    ``tables[r]``, ``batches_used[r]`` and ``updates[r]`` keep the flood tables, batches and update of
-    round r (ground truth for the audit; never sent)."""
-
-    def __init__(self, model: nn.Module, batches: Sequence[Batch], pin: SurvivorPin, *,
-                 config: AegisConfig | None = None, loss_fn: LossFn = lm_loss) -> None:
-        self.model, self.batches, self.pin, self.loss_fn = model, list(batches), pin, loss_fn
-        self.shield = protect(model, None, config or AegisConfig())
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.tables: dict[int, list[Tensor]] = {}
-        self.batches_used: dict[int, list[Batch]] = {}
-        self.updates: dict[int, list[Tensor]] = {}
-
-    def __call__(self, msg: Message, context: Context) -> Message:
-        content = msg.content
-        config = content.config_records[FITINS_CONFIG]
-        server_round, algorithm = _number(config, "server-round", int), str(config.get("algorithm", "fedsgd"))
-        steps = _number(config, "local-steps", int) if algorithm == "fedavg" else 1
-        if algorithm not in ("fedsgd", "fedavg") or steps < 1:
-            raise ValueError(f"algorithm={algorithm!r}, local-steps={steps}: use fedsgd, or fedavg with >= 1 step")
-        self._load(content.array_records[FITINS_PARAMETERS])
-        params = [p for n, p in self.model.named_parameters() if p.requires_grad]
-        start = [p.detach().clone() for p in params]
-        lr = _number(config, "lr", float) if algorithm == "fedavg" else 1.0
-        tables, used = [], []
-        for s in range(steps):
-            batch = self.batches[((server_round - 1) * steps + s) % len(self.batches)]
-            for p in self.model.parameters():
-                p.grad = None
-            self.loss_fn(self.model, batch).backward()
-            with noise_share(self.shield, self.pin.share) as table:
-                self.shield.mask_()
-            tables.append(table)
-            used.append(batch)
-            grads = self.shield.export()
-            if algorithm == "fedavg":
-                with torch.no_grad():
-                    for n, p in zip(self.names, params):
-                        p.sub_(grads[n], alpha=lr)
-        if algorithm == "fedavg":  # the pseudo-gradient: the sum of the E masked steps
-            update = [(s0 - p.detach()) / lr for s0, p in zip(start, params)]
-        else:
-            update = [grads[n] for n in self.names]
-        SecAggSetup.read(context.state.config_records[SETUP_KEY]).check(entry_bound(tables), noise_floor(tables))
-        self.tables[server_round], self.batches_used[server_round] = tables, used
-        self.updates[server_round] = [u.detach().cpu().clone() for u in update]
-        return Message(fitres_content(update), reply_to=msg)
-
-    def _load(self, record: ArrayRecord) -> None:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        arrays = list(record.values())
-        if len(arrays) != len(params):
-            raise ValueError(f"the server sent {len(arrays)} arrays for {len(params)} trainable parameters")
-        with torch.no_grad():
-            for p, a in zip(params, arrays):
-                value = torch.from_numpy(np.array(bytes_to_ndarray(a.data), dtype=np.float32))
-                if value.shape != p.shape:
-                    raise ValueError(f"the server sent shape {tuple(value.shape)} for one of shape {tuple(p.shape)}")
-                p.copy_(value)
-
-
-def fitres_content(update: Sequence[Tensor]) -> RecordDict:
-    """The legacy FitRes layout of an update with public constants: weight 1, no metrics, status OK."""
-    arrays = ArrayRecord({str(i): Array(u.detach().to("cpu", torch.float32).numpy()) for i, u in enumerate(update)})
-    return RecordDict({
-        FITRES_PARAMETERS: arrays,
-        FITRES_NUM_EXAMPLES: MetricRecord({"num_examples": NUM_EXAMPLES}),
-        FITRES_METRICS: ConfigRecord({}),
-        FITRES_STATUS: ConfigRecord({"code": 0, "message": ""}),
-    })
+def reply_stage(msg: Message) -> str:
+    """The SecAgg+ stage a reply answers, by the fields of its record ("error" for an error reply, "?" if none)."""
+    if msg.has_error():
+        return "error"
+    configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+    fields = set() if configs is None else set(configs.keys())
+    return next((stage for stage, expected in REPLY_FIELDS.items() if fields == expected), "?")

@@ -3,18 +3,18 @@
 :mod:`aegis.fl.server_app` and :mod:`aegis.fl.client_app` hand a secure run to this module:
 
 * :func:`server_main` runs Flower's ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))`` with
-  :class:`~aegis.fl.secure_server.SecureStrategy` on the app's decoder (:mod:`aegis.fl.task`), FedSGD or
+  :class:`~aegis.fl.secure.server.SecureStrategy` on the app's decoder (:mod:`aegis.fl.task`), FedSGD or
   FedAvg (``aggregation``), the reconstruction threshold ``min-survivors``, a clipping range that covers
   the clients' updates, and validation loss after every round.
 * :func:`client_train` is the train function of a node that pins its survivor count itself: from its
   own node config (``flower-supernode --node-config 'aegis-min-survivors=3'``) or its own environment
   (``AEGIS_MIN_SURVIVORS``), never from the run config or a message (both come from the server). It runs
-  ``SecureGuard -> secaggplus_mod -> SecureTrainer`` (:mod:`aegis.fl.secure`) with the cipher masks
-  (:mod:`aegis.fl.secagg_patch`). A pinned node answers nothing but SecAgg+ rounds; an unpinned node
+  ``SecureGuard -> secaggplus_mod -> SecureTrainer`` (:mod:`aegis.fl.secure.client`) with the cipher masks
+  (:mod:`aegis.fl.secure.patch`). A pinned node answers nothing but SecAgg+ rounds; an unpinned node
   asked for a secure round refuses.
 
 Both sides write what they saw under ``$AEGIS_FL_RECORD_DIR`` when their own process has it set
-(:mod:`aegis.fl.secure_record`): a diagnostic for tests, off by default.
+(:mod:`aegis.fl.secure.record`): a diagnostic for tests, off by default.
 """
 from __future__ import annotations
 
@@ -32,18 +32,19 @@ from flwr.server import LegacyContext, ServerConfig
 from flwr.server.workflow import DefaultWorkflow
 from flwr.serverapp import Grid
 
-from ..config import AegisConfig
-from ..exposure import ExposurePolicy
-from ..shield import protect
-from . import secagg_patch
-from .client import refuse, trainable_arrays
-from .floor import config_from_run_config
-from .node import ReplyFloor, RunCache, max_runs, node_floor
-from .secure import MAX_WEIGHT, SecureGuard, SecureTrainer, SurvivorPin, check_quantisation
-from .secure_record import ClientRecord, RecordingGrid, ServerRecord
-from .secure_server import SecAggPlus, SecureStrategy, required_clipping_range
-from .strategy import fail_unless_accepted
-from .task import DEFAULT_RUN_CONFIG, decoder, train_batches, validation_batches, validation_loss
+from ...config import AegisConfig
+from ...exposure import ExposurePolicy
+from ...shield import protect
+from ..client import refuse, trainable_arrays
+from ..floor import config_from_run_config
+from ..node import ReplyFloor, RunCache, max_runs, node_floor
+from ..strategy import fail_unless_accepted
+from ..task import DEFAULT_RUN_CONFIG, decoder, train_batches, validation_batches, validation_loss
+from . import patch
+from .client import SecureTrainer
+from .guard import MAX_WEIGHT, SecureGuard, SurvivorPin, check_quantisation
+from .record import ClientRecord, RecordingGrid, ServerRecord
+from .server import SecAggPlus, SecureStrategy, required_clipping_range
 
 # Run config keys of a secure run (the server's choices) and their defaults.
 SECURE_RUN_CONFIG: dict[str, Any] = {
@@ -104,7 +105,7 @@ def node_pin(context: Context) -> SurvivorPin | None:
 def server_main(grid: Grid, context: Context) -> None:
     """Secure FedSGD / FedAvg rounds of the app's decoder; validation loss in ``context.state["evaluation"]``
     (lists indexed by round, round 0 = initial model), survivors per round in ``context.state["secure"]``."""
-    secagg_patch.install()
+    patch.install()
     s = secure_settings(context.run_config)
     config = config_from_run_config(context.run_config)
     steps = s["local-steps"] if s["aggregation"] == "fedavg" else 1
@@ -119,7 +120,7 @@ def server_main(grid: Grid, context: Context) -> None:
     names = list(arrays.keys())
     validation = validation_batches(tok)
     record = ServerRecord.from_env(names, clipping_range=clipping, quantization_range=QUANTIZATION_RANGE,
-                                   modulus_range=MODULUS_RANGE, patched=secagg_patch.installed())
+                                   modulus_range=MODULUS_RANGE, patched=patch.installed())
     history: dict[str, list[float]] = {"validation-loss": [], "validation-perplexity": []}
     curves = cast(dict[str, Any], history)  # MetricRecord's value type names list[float]; dict is invariant
     params = dict(model.named_parameters())
@@ -192,7 +193,7 @@ def client_train(msg: Message, context: Context, clock: ReplyFloor | None = None
         if pin is None:
             raise ValueError(f"the run asks for secure rounds and this node pins no survivor count: start the "
                              f"SuperNode with --node-config '{PIN_KEY}=<t>' or set {PIN_ENV}")
-        secagg_patch.install()
+        patch.install()
         config = config_from_run_config(context.run_config, node_floor(context))
         config.check_batch(int(secure_settings(context.run_config)["batch-size"]))
         guard, trainer, record = _node(context, pin, config)
