@@ -2,14 +2,17 @@
 fails closed. Laid out as a Flower app:
 
 * :mod:`~aegis.fl.client` — :class:`ClientTrainer` (the train function: batch gradient, defence, fp32
-  reply) and :class:`AegisMod` (configures AEGIS from ``context.run_config``; refuses unmasked replies).
+  reply) and :class:`AegisMod` (runs the client's own configuration, which the run config may only tighten:
+  :mod:`~aegis.fl.floor`; refuses unmasked replies).
+* :mod:`~aegis.fl.node` — what a SuperNode decides for itself: its preset, runs kept, reply floor.
 * :mod:`~aegis.fl.client_app` / :mod:`~aegis.fl.server_app` — ``app`` for ``flwr run``.
 * :mod:`~aegis.fl.strategy` — :class:`FedSGD`: weighted mean of client gradients, server optimizer step,
   failed / missing / malformed replies tolerated and counted.
 * :mod:`~aegis.fl.task` — the app's model, data and validation loss.
-* :mod:`~aegis.fl.simulation` — :func:`simulate` (the same apps in process, no Ray) over
-  :class:`InProcessGrid`; :func:`flower_runtime`, the one setter of a Flower internal.
+* :mod:`~aegis.fl.grid` — :class:`InProcessGrid`; :func:`flower_runtime`, the one setter of a Flower internal.
+* :mod:`~aegis.fl.simulation` — :func:`simulate` (the same apps in process, no Ray).
 * :mod:`~aegis.fl.rounds` — :func:`run_rounds`, the audit's runner: every shared gradient captured.
+* :mod:`~aegis.fl.secure` — secure rounds over SecAgg+.
 
 Imports only ``flwr.app``, ``flwr.clientapp`` and ``flwr.serverapp`` (plus the isolated internal setter
 in :func:`flower_runtime`); ``import aegis`` itself never imports Flower, and ``aegis.fl`` never imports
