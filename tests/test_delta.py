@@ -278,3 +278,12 @@ def test_the_report_states_the_round():
     assert report.rounds == 1 and report.steps == 2 and report.export is ExportMode.DELTA
     assert all(math.isclose(r.snr, S, rel_tol=1e-5) for r in report.flooded)
     assert 0 < report.noise_multiplier < math.inf and report.privacy() is not None
+
+
+def test_the_reconstruction_delta_preset_is_delta_mode_only():
+    config = AegisConfig(preset="reconstruction-delta")
+    assert config.export is ExportMode.DELTA and config.promise is not None and config.promise.min_batch == 8
+    assert config.treatments["attention_lora"] == FROZEN and config.treatments["token_embedding"] == FROZEN
+    assert config.treatments["mlp_lora"].snr == config.treatments["mlp"].snr == 300.0
+    assert AegisConfig(preset="reconstruction-delta", export=ExportMode.STEP).export is ExportMode.DELTA
+    assert AegisConfig(preset="sentences", export=ExportMode.DELTA).promise is None  # measured per step only

@@ -33,7 +33,7 @@ VOCABULARY_ROLES = ("token_embedding", "token_embedding_lora", "position_embeddi
 
 
 def test_presets_are_one_enum_and_accept_their_values():
-    assert [p.value for p in Preset] == ["verification", "sentences", "paper"]
+    assert [p.value for p in Preset] == ["verification", "sentences", "paper", "reconstruction-delta"]
     assert AegisConfig().preset is Preset.VERIFICATION  # the default stops the most
     for preset in Preset:
         assert AegisConfig(preset=preset.value).preset is preset

@@ -131,6 +131,7 @@ class Preset(str, enum.Enum):
     VERIFICATION = "verification"
     SENTENCES = "sentences"
     PAPER = "paper"
+    RECONSTRUCTION_DELTA = "reconstruction-delta"
 
     def __str__(self) -> str:
         return self.value
@@ -163,6 +164,7 @@ class Promise:
     exposures: int
     min_batch: int = 1
     max_batch: int | None = None
+    export: ExportMode = ExportMode.STEP  # DELTA: the batch sizes are sentences per round
 
     def outside(self, batch_size: int) -> str | None:
         """Why the promise does not cover this batch size, or None when it does."""
@@ -239,8 +241,24 @@ PAPER: Mapping[str, Treatment] = MappingProxyType(
     }
 )
 
+# `reconstruction-delta` (ExportMode.DELTA): attention, every vocabulary-indexed tensor and attention
+# adapters frozen; MLP adapters (or MLP matrices), norms and biases exported once per round as
+# clip(delta) + sigma Z at a per-tensor cap S = RECONSTRUCTION_DELTA_S (sigma = clip / S, from the public
+# round). S = 300 is where LoRA r = 8 on the MLP kept perplexity within 1 % of its clean delta (issue 39,
+# shipped corpus); the attacks at it are measured by benchmarks/frontier_delta.py.
+RECONSTRUCTION_DELTA_S = 300.0
+RECONSTRUCTION_DELTA_SENTENCES = 8  # sentences per round it is stated for (D >= 8)
+_DELTA_FLOOD = Treatment("matrix", lam=0.0, rho=1.0, snr=RECONSTRUCTION_DELTA_S)
+RECONSTRUCTION_DELTA: Mapping[str, Treatment] = MappingProxyType(
+    {
+        **SENTENCES,
+        **dict.fromkeys(("mlp", "mlp_lora", "norm", "bias", "other"), _DELTA_FLOOD),
+    }
+)
+
 PRESETS: Mapping[Preset, Mapping[str, Treatment]] = MappingProxyType(
-    {Preset.VERIFICATION: VERIFICATION, Preset.SENTENCES: SENTENCES, Preset.PAPER: PAPER}
+    {Preset.VERIFICATION: VERIFICATION, Preset.SENTENCES: SENTENCES, Preset.PAPER: PAPER,
+     Preset.RECONSTRUCTION_DELTA: RECONSTRUCTION_DELTA}
 )
 
 # Measured costs: SmolLM2-135M-Instruct fine-tuned on the shipped corpus (batch 8, 64 tokens, AdamW,
@@ -278,6 +296,20 @@ PROMISES: Mapping[Preset, Promise] = MappingProxyType(
             cost="does not train: SmolLM2 validation perplexity 241 / 228 at lr 5e-5 / 2e-4 (pretrained 261, "
             "undefended 5.7 / 4.5)",
             exposures=1,
+        ),
+        Preset.RECONSTRUCTION_DELTA: Promise(
+            # nothing is promised before it is measured: stops {SENTENCES, RECONSTRUCTION} once the frontier
+            # shows every reconstruction attack at its null at D = 8 and 32
+            stops=frozenset(),
+            says=f"delta mode (one flooded delta per round of local training, cap S = {RECONSTRUCTION_DELTA_S:g} "
+            "per tensor): meant to stop reconstruction (sentences and the bag of words) at "
+            f"{RECONSTRUCTION_DELTA_SENTENCES} sentences or more per round; to be measured "
+            "(benchmarks/frontier_delta.py)",
+            trains=True,
+            cost="to be measured",
+            exposures=1,
+            min_batch=RECONSTRUCTION_DELTA_SENTENCES,
+            export=ExportMode.DELTA,
         ),
     }
 )
@@ -368,6 +400,8 @@ class AegisConfig:
     def __post_init__(self) -> None:
         if isinstance(self.preset, str):
             object.__setattr__(self, "preset", preset_from(self.preset))
+        if isinstance(self.preset, Preset) and self.preset.promise.export is ExportMode.DELTA:
+            object.__setattr__(self, "export", ExportMode.DELTA)  # the preset is defined in delta mode only
         if self.preset is Preset.PAPER:
             warnings.warn("preset 'paper' reproduces the paper's formulas: candidate verification reads 1.00 and it "
                           "does not train; to protect, use 'verification' or 'sentences'", stacklevel=3)
@@ -422,7 +456,8 @@ class AegisConfig:
         """The preset's promise; None for a custom mapping, overrides or allow_clean (not the configuration
         measured), the batch calibration (its noise level fingerprints the batch) or a larger exposure budget."""
         if (not isinstance(self.preset, Preset) or self.overrides or self.allow_clean
-                or self.calibration is not Calibration.PUBLIC or self.exposures > self.preset.promise.exposures):
+                or self.calibration is not Calibration.PUBLIC or self.exposures > self.preset.promise.exposures
+                or self.export is not self.preset.promise.export):
             return None
         return self.preset.promise
 
