@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from aegis.cli import app
-from aegis.config import SENTENCES_BATCH, Preset
+from aegis.config import Preset
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,10 @@ def test_report_json_schema_and_privacy(report_dir):
     assert set(utility) == {"none", "aegis-verification", "prune-90"}
     assert all(u["metric"] == "perplexity" and u["value"] > 1 for u in utility.values())
     assert len({u["before"] for u in utility.values()}) == 1  # one untrained reference
+    # an AEGIS row states the preset's (epsilon, delta): its exposure budget's exports at one export's noise
+    assert 0 < utility["aegis-verification"]["epsilon"] < float("inf")
+    assert utility["aegis-verification"]["delta"] == 1e-5
+    assert utility["none"]["epsilon"] is None and utility["prune-90"]["epsilon"] is None
 
 
 def test_plot_and_html_show_what_they_claim(report_dir):
@@ -69,6 +73,9 @@ def test_plot_and_html_show_what_they_claim(report_dir):
     assert "class='hit'" in page  # the undefended reconstruction is coloured token by token
     assert "How to read this" in page and "untrained" in page and "Null baselines" in page
     verdict_table = page.split("<h2>Verdicts")[1].split("</table>")[0]
+    aegis_row = next(row for row in verdict_table.split("<tr>") if "<td>aegis-verification</td>" in row)
+    epsilon = report["utility"][[u["defence"] for u in report["utility"]].index("aegis-verification")]["epsilon"]
+    assert f"<td>{epsilon:.3g} (δ 1e-05)</td></tr>" in aegis_row, aegis_row  # not "–"
     assert verdict_table.count("<span class='leak'>leaks</span>") == 2  # none and prune-90
     assert verdict_table.count("<span class='holds'>holds</span>") == 1  # aegis-verification
     assert verdict_table.count("<span class='holds'>promise kept</span>") == 1
@@ -83,22 +90,22 @@ def test_plot_and_html_show_what_they_claim(report_dir):
 
 @pytest.mark.slow
 def test_quick_audit_meets_the_bar(tmp_path):
-    """The full `aegis audit --quick` (every quick defence and attack): the issue's bar, under 3 minutes."""
-    import time
+    """The full `aegis audit --quick` (every family, every default attack): the issue's bar, 3 CPU-minutes."""
+    import resource
 
-    start = time.perf_counter()
-    import os
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
 
-    # the bar is for quiet cores, where the command uses one thread per core
-    threads = str(min(2, os.cpu_count() or 1))
-    result = CliRunner().invoke(app, ["audit", "--quick", "--out", str(tmp_path), "--threads", threads],
+    start = cpu()
+    result = CliRunner().invoke(app, ["audit", "--quick", "--out", str(tmp_path), "--threads", "1"],
                                 env={"COLUMNS": "80"})
-    elapsed = time.perf_counter() - start
+    spent = cpu() - start
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "report.json").read_text())
     rows = {(r["defence"], r["attack"]): r for r in report["results"]}
     defences = {d for d, _ in rows}
-    assert {"none", "aegis-verification", "aegis-sentences", "aegis-paper-batch"} <= defences
+    assert {"none", "aegis-verification", "aegis-paper-batch"} <= defences
     assert any(d.startswith("dp-noise") for d in defences) and any(d.startswith("dp-sgd") for d in defences)
     assert any(d.startswith("prune") for d in defences) and any(d.startswith("soteria") for d in defences)
     assert rows["none", "dager"]["rouge1"] >= 0.90
@@ -109,32 +116,25 @@ def test_quick_audit_meets_the_bar(tmp_path):
     # variant ties every candidate (exactly chance)
     for attack in ("fingerprint_pool", "fingerprint_secret"):
         assert rows["aegis-paper-batch", attack]["score"] >= 0.9
-        for defence in ("aegis-verification", "aegis-sentences"):
-            assert rows[defence, attack]["variants"]["level"] <= 1 / 40 + 0.05
+        assert rows["aegis-verification", attack]["variants"]["level"] <= 1 / 40 + 0.05
         assert ("none", attack) not in rows  # n/a: no flood level to read
     from aegis.config import AegisConfig
 
-    for defence, preset in (("aegis-verification", "verification"), ("aegis-sentences", "sentences")):
-        secret = rows[defence, "fingerprint_secret"]
-        budget = AegisConfig(preset=preset).exposures  # the preset's promise, read, not hard-coded
-        assert secret["exposures"] == budget and secret["refused_after"] == budget, secret
+    secret = rows["aegis-verification", "fingerprint_secret"]
+    budget = AegisConfig(preset="verification").exposures  # the preset's promise, read, not hard-coded
+    assert secret["exposures"] == budget and secret["refused_after"] == budget, secret
     verdicts = {v["defence"]: v for v in report["verdicts"]}
     assert not verdicts["aegis-paper-batch"]["holds"] and verdicts["aegis-paper-batch"]["promise"] is None
     assert verdicts["aegis-verification"]["promise_kept"] is True
-    # the quick audit's batch 2 is below the batch the sentences promise is stated for: said, not checked
-    rebuilt = verdicts["aegis-sentences"]
-    assert rebuilt["promise_kept"] is None and f"below the batch {SENTENCES_BATCH}" in rebuilt["promise_note"]
-    assert rebuilt["text"].startswith("stops sentence reconstruction (the words in order")
     ppl = {u["defence"]: u["value"] for u in report["utility"]}
     untrained = {u["defence"]: u["before"] for u in report["utility"]}
     assert ppl["none"] < 0.5 * untrained["none"], ppl  # the undefended run learns in two rounds
-    # The presets must not push the model beyond its untrained perplexity (verification caps each row's signal at
+    # The preset must not push the model beyond its untrained perplexity (verification caps each row's signal at
     # a few hundredths of its noise, docs/design.md §1.4: two clients over two rounds leave the model there).
-    for defence in ("aegis-verification", "aegis-sentences"):
-        assert ppl[defence] <= 1.05 * untrained[defence], (defence, ppl, untrained)
+    assert ppl["aegis-verification"] <= 1.05 * untrained["aegis-verification"], (ppl, untrained)
     assert all(len(line) <= 80 for line in result.stdout.splitlines())
-    print(f"quick audit: {elapsed:.0f} s; perplexity {ppl}")
-    assert elapsed < 180
+    print(f"quick audit: {spent:.0f} CPU-s; perplexity {ppl}")
+    assert spent < 180
 
 
 @pytest.mark.parametrize(

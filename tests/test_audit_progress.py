@@ -79,14 +79,14 @@ def test_the_eta_is_within_30_percent_by_mid_run():
 def test_the_plan_counts_only_what_is_left_to_run():
     config = AuditConfig.quick(defences=("none", "prune-90"), attacks=("dager", "embedding_norm"))
     fresh = plan(config, AuditReport({}))
-    assert [s.what for s in fresh] == ["null-dager", "null-embedding_norm", "federate", "dager", "embedding_norm",
-                                      "federate", "dager", "embedding_norm"]
+    assert [s.what for s in fresh] == ["load", "null-dager", "null-embedding_norm", "federate", "dager",
+                                      "embedding_norm", "federate", "dager", "embedding_norm"]
     from aegis.audit.records import NullBaseline, Verdict
 
     done = AuditReport({}, nulls=[NullBaseline("decoder", "dager", 0.1), NullBaseline("decoder", "embedding_norm", 0)],
                        verdicts=[Verdict("decoder", "none", False, [], 1.0)])
     assert [(s.defence, s.what) for s in plan(config, done)] == [
-        ("prune-90", "federate"), ("prune-90", "dager"), ("prune-90", "embedding_norm")]
+        ("model", "load"), ("prune-90", "federate"), ("prune-90", "dager"), ("prune-90", "embedding_norm")]
 
 
 def test_a_long_stage_prints_a_heartbeat():

@@ -42,12 +42,14 @@ def test_each_default_is_said_once():
 
 
 def test_the_help_lists_what_each_job_runs():
-    from aegis.audit.options import DEFENCES, FULL_DEFENCES, AuditConfig
+    from aegis.audit.options import DEFENCES, FULL_DEFENCES, QUICK_DEFENCES, AuditConfig
 
     text = " ".join(runner.invoke(app, ["audit", "--help"], env={"COLUMNS": "80"}).output.split()).replace("- ", "-")
     for name in (*DEFENCES, *FULL_DEFENCES):
         assert name in text, name
-    assert set(AuditConfig.quick().defences) == set(DEFENCES)  # --quick: the main job on the decoder alone
+    for config, defences in ((AuditConfig(), DEFENCES), (AuditConfig.quick(), QUICK_DEFENCES),
+                             (AuditConfig.full(), FULL_DEFENCES)):
+        assert config.defences == defences and f"{', '.join(defences)}" in text
     assert "aegis-sentences with --batch-size 8" in text  # runs only when named, at its promise's batch
 
 

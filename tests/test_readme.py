@@ -18,3 +18,15 @@ def test_the_quick_start_runs_as_written_and_its_loss_falls(tmp_path):
     assert len(losses) == 4 and losses[-1] < losses[0] - 1.0, out.stdout
     silenced, steps = map(int, re.search(r"silenced steps: (\d+) of (\d+)", out.stdout).groups())
     assert steps == 40 and silenced < steps
+
+
+def test_the_set_up_is_two_commands_in_a_virtual_environment_and_ci_runs_the_tests_one_verbatim():
+    section = re.search(r"## Set-up on a fresh machine\n(.*?)\n## ", (ROOT / "README.md").read_text(), re.S).group(1)
+    commands = re.findall(r"```bash\n(.*?)\n```", section, re.S)
+    assert len(commands) == 2, commands
+    tests, main_job = commands
+    for command in commands:
+        assert command.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0")
+    assert tests.endswith("python -m pytest -q -p no:cacheprovider") and main_job.endswith("aegis audit")
+    assert section.index("--index-url") < section.index(tests)  # the CUDA-wheel note comes first
+    assert tests in (ROOT / ".ci" / "run").read_text().splitlines()

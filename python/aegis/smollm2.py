@@ -31,11 +31,10 @@ NAME = "smollm2"  # what `aegis inspect` and the benchmarks call it
 
 
 def cache_dir() -> Path:
-    """Where a fetched wheel and the file read from it are kept."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "aegis"
+    """Where a fetched wheel and the file read from it are kept: the AEGIS cache folder."""
+    from .exposure_store import cache_dir as aegis_cache
+
+    return aegis_cache()
 
 
 def _in(location: Path, what: str) -> Path:

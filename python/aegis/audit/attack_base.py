@@ -31,6 +31,7 @@ COST = {
     "candidate": 0.12,
     "trial": 1.5,
     "null": 1.5,
+    "load": 8.0,  # a model, its batches, its untrained utility and the clean gradient the nulls read
     "round": 1.0,
     "masked": 1.2,
     "oracle": 0.01,

@@ -48,20 +48,19 @@ def family(defence: str) -> str:
     return re.sub(r"(-c?[\d.]+)+(-z[\d.]+)?$", "", defence.lower())
 
 
-def cache_root() -> Path:
-    """The AEGIS cache folder: ``$AEGIS_CACHE_DIR``, else ``$XDG_CACHE_HOME/aegis``, else ``~/.cache/aegis``."""
-    root = os.environ.get("AEGIS_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "aegis")
-    return Path(root).expanduser()
-
-
 class StageCosts:
     """Rates (CPU seconds per unit) by stage key: this machine's, then the shipped ones."""
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path if path is not None else cache_root() / "audit" / "stage-costs.json"
+        from ..exposure_store import cache_dir
+
         self.local: dict[str, float] = {}
         self.writable = True
+        try:
+            self.path = path if path is not None else cache_dir() / "audit" / "stage-costs.json"
+        except ValueError:  # a relative $AEGIS_CACHE_DIR (refused there): no history, the run goes on
+            self.path, self.writable = Path(os.devnull), False
+            return
         try:
             loaded = json.loads(self.path.read_text())
             self.local = {k: float(v) for k, v in loaded.items() if isinstance(v, int | float) and v > 0}

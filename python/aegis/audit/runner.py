@@ -172,7 +172,7 @@ def federate(
     eps = [r["epsilon"] for r in run.reports if "epsilon" in r]
     delta = next((r["delta"] for r in run.reports if "delta" in r), None)
     if not eps and defence.aegis is not None:  # AEGIS clients run inside Flower's mod: ask the shield
-        epsilon, delta = aegis_privacy(ctx, defence)
+        epsilon, delta = aegis_privacy(ctx, defence, batches[0][0])
         eps = [epsilon] if epsilon is not None else []
     utility = UtilityRecord(
         ctx.kind,
@@ -190,15 +190,18 @@ def federate(
     return Federation(targets, models, utility, RoundsRecord(ctx.kind, defence.name, run.rounds))
 
 
-def aegis_privacy(ctx: ModelContext, defence: DefenceSpec) -> tuple[float | None, float | None]:
-    """An AEGIS defence's (epsilon, delta) per example on this model (the shield's own statement,
-    :meth:`aegis.shield.CoverageReport.privacy`); (None, None) for a baseline or without a public level."""
+def aegis_privacy(ctx: ModelContext, defence: DefenceSpec, batch: dict) -> tuple[float | None, float | None]:
+    """An AEGIS defence's (epsilon, delta) per example on this model: the shield's own statement
+    (:meth:`aegis.shield.CoverageReport.privacy`) once its public calibration ran, i.e. after one step (on
+    ``batch``: the public noise level does not depend on it). (None, None) for a baseline, or where no
+    noise level is public (the paper's batch calibration)."""
     if defence.aegis is None:
         return None, None
     from ..defence import Aegis
 
     shield = Aegis(defence.aegis).attach(server_copy(ctx.model))
     try:
+        shield.step(batch)
         found = shield.report()
     finally:
         shield.detach()
@@ -226,8 +229,8 @@ def meta(config: AuditConfig, data: AuditData) -> dict:
 
 
 def plan(config: AuditConfig, report: AuditReport) -> list[Stage]:
-    """Every stage still to run, in order: per model, the null baselines not yet in ``report``, then per
-    defence without a verdict its federation and its attacks."""
+    """Every stage still to run, in order: per model with rows left, loading it, the null baselines not yet in
+    ``report``, then per defence without a verdict its federation and its attacks."""
     specs = [resolve_defence(d) for d in config.defences]
     targets = config.clients * (config.attack_rounds or config.rounds)
     done = {(v.model, v.defence) for v in report.verdicts}
@@ -239,6 +242,7 @@ def plan(config: AuditConfig, report: AuditReport) -> list[Stage]:
             continue
         attacks = [audit_attacks.make(name) for name in config.attacks_for(kind)]
         b = config.batch_size
+        stages.append(Stage(kind, b, "model", "load", COST["load"]))
         stages += [Stage(kind, b, "null", f"null-{a.name}", COST["null"])
                    for a in attacks if (kind, a.name) not in have_null]
         for spec in todo:
@@ -312,18 +316,19 @@ def run_audit(
         todo = [s for s in stages if s.model == kind]
         if not todo:
             continue
-        model, tok = load_model(kind, config, num_labels=max(2, len(label_ids)))
-        examples = client_examples(data, config)
-        used = {id(e) for client in examples for batch in client for e in batch}
-        decoys = [e for e in data.validation + data.train if id(e) not in used]
-        ctx = ModelContext(kind, model, tok, config, batch_builder(kind, tok, label_ids), label_ids, decoys)
-        batches = [[ctx.build(b) for b in client] for client in examples]
-        evaluate, chance = evaluator(ctx, data.validation)
-        before = evaluate(model)
-        attacks = {a.name: a for a in (audit_attacks.make(name) for name in config.attacks_for(kind))}
-
-        first_batch = batches[0][0]
-        first = Target(1, 0, ctx.clean_gradient(first_batch), first_batch, examples[0][0], ctx.references(first_batch))
+        with tracked.run(todo[0]):
+            model, tok = load_model(kind, config, num_labels=max(2, len(label_ids)))
+            examples = client_examples(data, config)
+            used = {id(e) for client in examples for batch in client for e in batch}
+            decoys = [e for e in data.validation + data.train if id(e) not in used]
+            ctx = ModelContext(kind, model, tok, config, batch_builder(kind, tok, label_ids), label_ids, decoys)
+            batches = [[ctx.build(b) for b in client] for client in examples]
+            evaluate, chance = evaluator(ctx, data.validation)
+            before = evaluate(model)
+            attacks = {a.name: a for a in (audit_attacks.make(name) for name in config.attacks_for(kind))}
+            first_batch = batches[0][0]
+            first = Target(1, 0, ctx.clean_gradient(first_batch), first_batch, examples[0][0],
+                           ctx.references(first_batch))
         nulls = {n.attack: n for n in report.nulls if n.model == kind}
         for stage in (s for s in todo if s.defence == "null"):
             attack = attacks[stage.what.removeprefix("null-")]

@@ -28,6 +28,7 @@ from ..audit.options import (
     EMBEDDED_DECODERS,
     FULL_DEFENCES,
     MODELS,
+    QUICK_DEFENCES,
 )
 from .main import Command, app, choices, fail, set_threads
 
@@ -47,7 +48,7 @@ def audit(
     quick: bool = typer.Option(
         False,
         "--quick",
-        help="under 3 CPU-minutes: the main job on the decoder alone",
+        help=f"under 3 CPU-minutes: the decoder alone, batch 1, {choices(QUICK_DEFENCES)}",
     ),
     full: bool = typer.Option(
         False,
@@ -83,8 +84,8 @@ def audit(
     ),
     defences: str | None = typer.Option(
         None,
-        help=f"comma-separated defence names (default: {choices(DEFENCES)}; --full: its list above); others such "
-        "as dp-noise-0.05, or aegis-sentences with --batch-size 8, the batch its promise is stated for",
+        help=f"comma-separated defence names (default: {choices(DEFENCES)}; --quick, --full: theirs above); others "
+        "such as dp-noise-0.05, or aegis-sentences with --batch-size 8, the batch its promise is stated for",
     ),
     attacks: str | None = typer.Option(
         None, help=f"comma-separated, from: {choices(ATTACKS)} (default: {choices(DEFAULT_ATTACKS)})"
@@ -92,7 +93,7 @@ def audit(
     clients: int | None = typer.Option(None, help="clients per round (default 2)"),
     rounds: int | None = typer.Option(None, help="FedSGD rounds (default 2; --full 3)"),
     batch_size: int | None = typer.Option(
-        None, "--batch-size", help="sentences per client batch (default 2; --full 4)"
+        None, "--batch-size", help="sentences per client batch (default 2; --quick 1, --full 4)"
     ),
     attack_rounds: int | None = typer.Option(
         None, "--attack-rounds", help="attack the first N rounds' gradients (default 1; 0: every round)"
