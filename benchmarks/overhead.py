@@ -7,6 +7,12 @@ memory and the exported payload (fp32 bytes of what a client shares), and ratios
     python benchmarks/overhead.py            # GPU: GPT-2, GPT-2-XL, LLaMA-2-7B architectures
     python benchmarks/overhead.py --quick    # tiny config on CPU, under a minute (CI runs this)
 
+AEGIS runs as shipped: exposure counting on, each defence with a fresh persistent store (SQLite in a
+temporary folder). The "+no-exposure" variant turns counting off, so the difference is the counting's
+cost; ``counting_ms`` is the host time of the budget decision per step (hashing runs on a worker thread
+during the backward). ``--drift-steps N`` times N steps of GPT-2 b64 and compares the last 100 with the
+first 100 (the store grows by every step's windows).
+
 Random-initialised architectures from configs: no weights are downloaded.
 """
 from __future__ import annotations
@@ -15,6 +21,7 @@ import argparse
 import gc
 import json
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,13 +29,15 @@ from pathlib import Path
 import torch
 import transformers as T
 
-from aegis.baselines import make_defence
+from aegis.baselines import Aegis, make_defence
+from aegis.exposure import ExposurePolicy, create_state
 
 RESULTS = Path(__file__).parent / "results"
 # Variants by suffix: "+keep-grads" zeroes gradients in place (zero_grad(set_to_none=False)) so they
 # keep their addresses; "+flood-graph" turns on AegisConfig.cuda_graph, whose replay needs that.
-KEEP_GRADS, FLOOD_GRAPH = "keep-grads", "flood-graph"
-DEFENCES = ("none", "aegis-verification", "dp-sgd-C1-z1", "prune-90", "soteria-80")
+# "+no-exposure" turns the exposure budget off (the counting's cost is the difference).
+KEEP_GRADS, FLOOD_GRAPH, NO_EXPOSURE = "keep-grads", "flood-graph", "no-exposure"
+DEFENCES = ("none", "aegis-verification", "aegis-verification+no-exposure", "dp-sgd-C1-z1", "prune-90", "soteria-80")
 
 
 @dataclass(frozen=True)
@@ -90,11 +99,15 @@ def prepare(setting: Setting, defence_name: str, device: torch.device):
     """(step, defence): one full training step of a fresh model under the named defence."""
     model, draw = build(setting, device)
     base, *flags = defence_name.split("+")
-    if set(flags) - {KEEP_GRADS, FLOOD_GRAPH}:
-        raise ValueError(f"{defence_name}: unknown variant; use +{KEEP_GRADS} and/or +{FLOOD_GRAPH}")
+    if set(flags) - {KEEP_GRADS, FLOOD_GRAPH, NO_EXPOSURE}:
+        raise ValueError(f"{defence_name}: unknown variant; use +{KEEP_GRADS}, +{FLOOD_GRAPH} or +{NO_EXPOSURE}")
     defence = make_defence(base)
-    if FLOOD_GRAPH in flags:
-        defence.config = defence.config.replace(cuda_graph=True)
+    if isinstance(defence, Aegis):
+        # as shipped: counts persist, in a store of this defence's own (random batches never repeat in one)
+        store = create_state(Path(tempfile.mkdtemp(prefix="aegis-overhead-")) / "exposure.sqlite")
+        defence.config = defence.config.replace(
+            exposure_state=str(store), cuda_graph=FLOOD_GRAPH in flags,
+            exposure=ExposurePolicy.OFF if NO_EXPOSURE in flags else defence.config.exposure)
 
     def loss_fn(m, b):
         with torch.autocast(device.type, dtype=setting.autocast, enabled=setting.autocast is not None):
@@ -104,6 +117,19 @@ def prepare(setting: Setting, defence_name: str, device: torch.device):
     defence.attach(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
     scaler = torch.amp.GradScaler(device.type, enabled=setting.autocast == torch.float16)
+    tracker = defence.shield._exposure if isinstance(defence, Aegis) and defence.shield is not None else None
+    if tracker is not None:
+        decide = tracker.decide
+
+        def timed_decide() -> int:
+            start = time.perf_counter()
+            try:
+                return decide()
+            finally:
+                defence.counting_s.append(time.perf_counter() - start)
+
+        defence.counting_s = []
+        tracker.decide = timed_decide
 
     def step():
         optimizer.zero_grad(set_to_none=KEEP_GRADS not in flags)
@@ -140,7 +166,7 @@ def run_one(setting: Setting, defence_name: str, device: torch.device, warmup: i
     times = [timed_step(step, device) for _ in range(steps)]
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     payload = sum(t.numel() * 4 for t in defence.export().values())  # fp32 on the wire
-    extra = defence.report()
+    extra = defence.report() | _counting(defence, steps)
     del step, defence
     release(device)
     return {"median_s": statistics.median(times), "peak_bytes": peak, "payload_bytes": payload, **extra}
@@ -160,11 +186,42 @@ def run_interleaved(
         for name, (step, _) in prepared.items():
             times[name].append(timed_step(step, device))
     out = {
-        name: {"median_s": statistics.median(times[name]), **defence.report()}
+        name: {"median_s": statistics.median(times[name]), **defence.report(), **_counting(defence, steps)}
         for name, (_, defence) in prepared.items()
     }
     del prepared
     release(device)
+    return out
+
+
+def _counting(defence, steps: int) -> dict:
+    """Median host time of the exposure decision over the timed steps, and the store's size after them."""
+    counting = getattr(defence, "counting_s", None)
+    if not counting:
+        return {}
+    out = {"counting_ms": statistics.median(counting[-steps:]) * 1e3}
+    store = defence.shield._exposure.store.summary()
+    return out | {"store_windows": store.windows, "store_bytes": store.bytes}
+
+
+def run_drift(setting: Setting, names: list[str], device: torch.device, warmup: int, steps: int) -> dict[str, dict]:
+    """Each defence for ``steps`` steps: the median of the last 100 over the median of the first 100."""
+    out = {}
+    for name in names:
+        step, defence = prepare(setting, name, device)
+        for _ in range(warmup):
+            step()
+        sync(device)
+        times = [timed_step(step, device) for _ in range(steps)]
+        first, last = statistics.median(times[:100]), statistics.median(times[-100:])
+        out[name] = {"steps": steps, "first100_ms": first * 1e3, "last100_ms": last * 1e3, "drift": last / first,
+                     **_counting(defence, 100)}
+        del step, defence
+        release(device)
+    if "none" in out:
+        for row in out.values():
+            row["first100_ratio"] = row["first100_ms"] / out["none"]["first100_ms"]
+            row["last100_ratio"] = row["last100_ms"] / out["none"]["last100_ms"]
     return out
 
 
@@ -233,6 +290,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--interleave", action="store_true",
                         help="time undefended and AEGIS side by side, steps in turn (memory: all models at once)")
     parser.add_argument("--no-cuda-graph", action="store_true", help="skip the CUDA-graph rows (GPT-2 only)")
+    parser.add_argument("--drift-steps", type=int, default=0,
+                        help="also time this many steps of GPT-2 b64 (undefended and AEGIS): last 100 vs first 100")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for overhead-<card>.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
@@ -300,6 +359,14 @@ def main(argv: list[str] | None = None) -> Path:
             "baseline_steps": args.baseline_steps,
         }
         out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    if args.drift_steps:
+        drift_setting = settings(args.quick)[0] if args.quick else Setting("gpt2", 64, 64, torch.float32, None)
+        fast = [n for n in args.defences.split(",") if n.startswith(("none", "aegis"))]
+        drift = run_drift(drift_setting, fast, device, warmup, args.drift_steps)
+        for name, row in drift.items():
+            print(f"drift {name:>32}: first 100 {row['first100_ms']:.2f} ms, last 100 {row['last100_ms']:.2f} ms, "
+                  f"x{row['drift']:.3f}", flush=True)
+        out.write_text(json.dumps({**meta, "rows": rows, "drift": drift}, indent=1))
     print(f"wrote {out}")
     return out
 
@@ -343,6 +410,7 @@ def format_row(r: dict) -> str:
         return f"{head}  {r['error']}"
     memory = "n/a" if r.get("memory_ratio") is None else f"{r['memory_ratio']:.3f}"
     ratios = f"  time×{r['time_ratio']:.3f}" if "time_ratio" in r else ""
+    ratios += f"  counting {r['counting_ms']:.2f} ms" if "counting_ms" in r else ""
     if "payload_ratio" in r:
         ratios += f"  mem×{memory}  payload×{r['payload_ratio']:.3f}"
     payload = f"  payload {r['payload_bytes'] / 2**20:8.1f} MiB" if "payload_bytes" in r else ""

@@ -94,6 +94,10 @@ def test_two_clients_never_share_noise():
     assert diff.std() > 0.5 * grads[0].std()  # noise does not cancel
 
 
+def device_master(shield):
+    return aegis.shield._DEVICE_STATES[shield][0][: aegis_kernels.reference.KEY_WORDS]
+
+
 def test_device_key_is_redrawn_after_fork(monkeypatch):
     """A forked worker (a new pid) must not reuse the parent's device master key. (A real fork of a
     torch process can deadlock its thread pool, so the child is simulated by its pid.)"""
@@ -102,13 +106,13 @@ def test_device_key_is_redrawn_after_fork(monkeypatch):
     model = build("gpt2")
     shield = aegis.protect(model, config=aegis.AegisConfig(device_seed=True, preset="verification"))
     _masked(model, shield, seed=1)
-    master = shield._state[: aegis_kernels.reference.KEY_WORDS].clone()
+    master = device_master(shield).clone()
     _masked(model, shield, seed=2)
-    assert torch.equal(shield._state[: aegis_kernels.reference.KEY_WORDS], master)  # same process: kept
+    assert torch.equal(device_master(shield), master)  # same process: kept
     parent = os.getpid()
     monkeypatch.setattr(shield_module.os, "getpid", lambda: parent + 1)
     _masked(model, shield, seed=3)
-    assert not torch.equal(shield._state[: aegis_kernels.reference.KEY_WORDS], master)  # child: redrawn
+    assert not torch.equal(device_master(shield), master)  # child: redrawn
 
 
 def test_export_refuses_a_gradient_changed_through_data():

@@ -14,7 +14,7 @@ import torch
 import aegis
 from aegis import ExposurePolicy
 from aegis.exposure import IN_MEMORY, WINDOW, create_state, default_state_path
-from aegis.exposure_store import ExposureStore, migrate, reset_state
+from aegis.exposure_store import ExposureStore, digest_key, migrate, reset_state
 from families import build
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:AegisConfig\(seed=")
@@ -198,19 +198,20 @@ def test_a_json_state_names_the_conversion_and_migrate_keeps_the_counts(tmp_path
     store = ExposureStore(str(create_state(tmp_path / "old.sqlite")))
     legacy = tmp_path / "old.json"
     digest = bytes(range(16))
+    key = digest_key(digest)
     legacy.write_text(json.dumps({"format": "aegis-exposure", "version": 1, "window": 8, "salt": store.salt.hex(),
                                   "counts": {digest.hex(): 2}}))
     with pytest.raises(ValueError, match="migrate"):
         protected(str(legacy))
     converted = ExposureStore(str(migrate(legacy, tmp_path / "new.sqlite")))
-    assert converted.salt == store.salt and converted.count(digest) == 2
-    assert converted.reserve([{digest}], budget=2) == 1 and converted.reserve([{digest}], budget=3) == 0
+    assert converted.salt == store.salt and converted.count(key) == 2
+    assert converted.reserve([{key}], budget=2) == 1 and converted.reserve([{key}], budget=3) == 0
 
 
 def test_reserve_is_all_or_nothing_and_reset_forgets(tmp_path):
     path = create_state(tmp_path / "client.sqlite")
     store = ExposureStore(str(path))
-    a, b, c = (bytes([k]) * 16 for k in range(3))
+    a, b, c = -(2**63), 7, 2**63 - 1
     assert store.reserve([{a, b}], budget=1) == 0
     assert store.reserve([{c}, {b}], budget=1) == 1  # one row over: nothing of the step is counted
     assert store.count(c) == 0 and store.count(b) == 1

@@ -902,7 +902,7 @@ def test_gpu_shield_mask_is_graph_capturable():
         for p, c in zip(params, clean):
             p.grad.copy_(c)
         shield.mask_()
-    state = shield._state
+    state = aegis.shield._DEVICE_STATES[shield][0]
     results, steps = [], []
     for _ in range(3):
         steps.append(state[8].item())

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -47,12 +48,13 @@ from .exposure_store import (  # noqa: F401  (the public names of the store, re-
     ExposureStore,
     create_state,
     default_state_path,
+    digest_key,
     reset_state,
 )
 
 WINDOW = 8  # tokens per fingerprint window
 
-Rows = list[frozenset[bytes]]  # one digest set per counted row
+Rows = list[frozenset[int]]  # one digest set per counted row (the store's 64-bit keys)
 
 
 class ExposurePolicy(str, enum.Enum):
@@ -90,6 +92,15 @@ def fingerprints(row: np.ndarray, special: frozenset[int]) -> list[np.ndarray]:
     return out
 
 
+def input_embeddings(model: nn.Module) -> nn.Module | None:
+    """The module that sees the token ids: model.get_input_embeddings(), else the first nn.Embedding."""
+    getter = getattr(model, "get_input_embeddings", None)
+    embeddings = getter() if callable(getter) else None
+    if embeddings is None:
+        embeddings = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return embeddings
+
+
 def _special_ids(config: object) -> frozenset[int]:
     ids: set[int] = set()
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id"):
@@ -121,10 +132,10 @@ class _Counting:
             out.append(frozenset(self._digest(w) for w in fingerprints(row, self.special)))
         return out
 
-    def _digest(self, window: np.ndarray) -> bytes:
+    def _digest(self, window: np.ndarray) -> int:
         h = self.keyed.copy()
         h.update(np.ascontiguousarray(window, dtype=np.int64).tobytes())
-        return h.digest()
+        return digest_key(h.digest())
 
 
 _WORKER: ThreadPoolExecutor | None = None
@@ -137,19 +148,36 @@ def _worker() -> ThreadPoolExecutor:
     return _WORKER
 
 
+def _forget_worker_after_fork() -> None:
+    global _WORKER
+    _WORKER = None  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_worker_after_fork)
+
+
+class _Pending:
+    """One forward's rows, hashed on the worker; recomputed here in a forked child (no worker there)."""
+
+    def __init__(self, counting: _Counting, copy: _HostCopy):
+        self.counting, self.copy, self.pid = counting, copy, os.getpid()
+        self.future: Future[Rows] = _worker().submit(counting.rows, copy)
+
+    def rows(self) -> Rows:
+        return self.future.result() if self.pid == os.getpid() else self.counting.rows(self.copy)
+
+
 class ExposureTracker:
     """Counts per fingerprint (salted token-window digest) how many masked exports carried it.
 
     ``gradients()`` returns the flooded gradients: the pending examples live in them, and are forgotten
     when those are dropped. A holder that exports something other than gradients (a round's delta) holds
-    the pending examples across ``zero_grad`` with ``hold()``."""
+    the pending examples across ``zero_grad`` with ``hold()``. With ``counting=False`` (ExposurePolicy.OFF)
+    it only counts the rows of the step (``rows_pending``: the batch the preset's promise is stated for)."""
 
     def __init__(self, model: nn.Module, budget: int, gradients: Callable[[], list[Tensor | None]],
-                 state: str | None):
-        getter = getattr(model, "get_input_embeddings", None)
-        embeddings = getter() if callable(getter) else None
-        if embeddings is None:  # a plain module: its first embedding table sees the ids
-            embeddings = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+                 state: str | None, counting: bool = True):
+        embeddings = input_embeddings(model)
         if embeddings is None:
             raise ValueError(
                 "exposure tracking needs an nn.Embedding (or model.get_input_embeddings()) to see the token "
@@ -157,10 +185,12 @@ class ExposureTracker:
             )
         config = getattr(model, "config", None)
         self.budget = budget
-        self.store = ExposureStore(state)
-        self._counting = _Counting(self.store.salt, getattr(config, "pad_token_id", None), _special_ids(config))
+        self.store = ExposureStore(state) if counting else None
+        self._counting = None if self.store is None else _Counting(
+            self.store.salt, getattr(config, "pad_token_id", None), _special_ids(config))
+        self._rows_pending = 0
         self._gradients = gradients
-        self._pending: list[Future[Rows]] = []  # digests of this step's forwards, hashed on the worker
+        self._pending: list[_Pending] = []  # digests of this step's forwards, hashed on the worker
         self._untracked = 0  # forwards of this step that passed no token ids (inputs_embeds)
         self._backward_seen = False  # a backward ran since the pending forwards began
         self._refused: list[tuple[Tensor, int]] | None = None  # the gradients of a refused step
@@ -225,8 +255,10 @@ class ExposureTracker:
 
     def _add(self, ids: Tensor, mask: Tensor | None) -> None:
         flat = ids.detach().reshape(-1, ids.shape[-1])
-        copy = _HostCopy(flat, None if mask is None else mask.detach().reshape(flat.shape))
-        self._pending.append(_worker().submit(self._counting.rows, copy))
+        self._rows_pending += flat.shape[0]
+        if self._counting is not None:
+            copy = _HostCopy(flat, None if mask is None else mask.detach().reshape(flat.shape))
+            self._pending.append(_Pending(self._counting, copy))
 
     def track(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> None:
         """The ids of a step whose forward received embeddings (``inputs_embeds``), given by the user."""
@@ -246,11 +278,20 @@ class ExposureTracker:
         return _Hold(self)
 
     # -- the decision ----------------------------------------------------------------------
+    @property
+    def counting(self) -> bool:
+        return self.store is not None
+
+    @property
+    def rows_pending(self) -> int:
+        """Sequences of the forwards since the last export (0 when none passed token ids)."""
+        return self._rows_pending
+
     def _problem(self) -> str | None:
         if self._untracked:
             return ("a forward of this step received no token ids (inputs_embeds), so the exposure budget cannot "
                     "count its examples")
-        if not self._pending:
+        if not self._rows_pending:
             return ("a gradient arrived but no forward of it was counted (model.forward() called directly, past the "
                     "module's hooks, or a forward under a paused tracker)")
         return None
@@ -260,7 +301,7 @@ class ExposureTracker:
         already exported ``budget`` times (nothing counted), or 0 with every fingerprint counted once more.
         Under torch.distributed every rank's rows are gathered and rank 0 decides for all."""
         problem = self._problem()
-        rows = [] if problem else [row for future in self._pending for row in future.result()]
+        rows = [] if problem else [row for pending in self._pending for row in pending.rows()]
         if ranks.distributed():
             problems, all_rows = ranks.gather(problem, rows)
             problem = next((p for p in problems if p), None)
@@ -270,9 +311,12 @@ class ExposureTracker:
                 f"mask_() refused: {problem}. Call shield.track_examples(input_ids, attention_mask) with the batch's "
                 "ids before mask_(), or pass AegisConfig(exposure=ExposurePolicy.OFF) and keep each example within "
                 "the budget yourself")
+        store = self.store
+        if store is None:
+            raise RuntimeError("decide(): this tracker counts rows only (ExposurePolicy.OFF)")
         if ranks.distributed():
-            return ranks.decided_by_rank0(lambda: self.store.reserve(rows, self.budget))
-        return self.store.reserve(rows, self.budget)
+            return ranks.decided_by_rank0(lambda: store.reserve(rows, self.budget))
+        return store.reserve(rows, self.budget)
 
     def refuse(self, grads: list[Tensor | None]) -> None:
         """The step was refused: it stays refused until these gradients are dropped (not merely changed)."""
@@ -280,10 +324,15 @@ class ExposureTracker:
 
     def discard(self) -> None:
         self._pending, self._untracked, self._backward_seen, self._refused = [], 0, False, None
+        self._rows_pending = 0
+
+    def wait_durable(self) -> None:
+        if self.store is not None:
+            self.store.wait_durable()
 
     @property
     def max_exposure(self) -> int:
-        return self.store.max_count
+        return 0 if self.store is None else self.store.max_count
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -4,13 +4,18 @@ One file per client (``AegisConfig.exposure_state``), shared by every process an
 The budget decision of an export is one ``BEGIN IMMEDIATE`` transaction (:meth:`ExposureStore.reserve`):
 read the step's digests' counts, then either refuse (nothing written) or add one to each and commit. Only
 after the commit does the flooded gradient leave, so two shields, two processes or two Flower runs on one
-store can never export the same text past the budget; a crash after the commit over-counts (safe). The cost
-is O(digests of the step): SQLite's B-tree, WAL journal, ``synchronous=FULL`` (a committed reservation
-survives a power loss).
+store can never export the same text past the budget; a crash after the commit over-counts (safe).
 
-Tables: ``counts(digest BLOB PRIMARY KEY, n INTEGER) WITHOUT ROWID`` (16-byte blake2b digests keyed by the
-salt, so the file does not let anyone without the salt test a guessed sentence) and ``meta(key, value)``:
-format, schema version, window, salt, store id and ``exports``, a count of reservations that only grows.
+Cost: O(digests of the step), independent of the history: one B-tree lookup and one upsert per digest, one
+WAL append per export (``synchronous=NORMAL``: the commit survives a crash of the process at once), then an
+``fsync`` of the WAL on a worker thread that ``export()`` waits for (the commit survives a power loss before
+anything leaves; the wait overlaps the flood and the optimizer step), and a checkpoint every
+``CHECKPOINT_EVERY`` exports on the same worker, off the step's path.
+
+Tables: ``counts(digest INTEGER PRIMARY KEY, n)`` (the first 64 bits of the window's blake2b digest keyed by
+the salt, so the file does not let anyone without the salt test a guessed sentence; a collision can only
+over-count) and ``meta(key, value)``: format, schema version, window, salt, store id and ``exports``, a count
+of reservations that only grows.
 
 Fail closed: a named store that is missing is an error (``create_state`` makes one); the default store
 (``$AEGIS_CACHE_DIR`` or the user's cache folder) is created with a warning that it holds no earlier counts;
@@ -27,6 +32,7 @@ import sqlite3
 import stat
 import threading
 from collections.abc import Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +41,13 @@ log = logging.getLogger("aegis.exposure")
 IN_MEMORY = ":memory:"  # exposure_state for simulations: counts live as long as the shield
 CACHE_ENV = "AEGIS_CACHE_DIR"  # the cache folder (default: $XDG_CACHE_HOME/aegis or ~/.cache/aegis)
 FORMAT, SCHEMA_VERSION = "aegis-exposure", 2
+CHECKPOINT_EVERY = 16  # exports between WAL checkpoints (run on the worker thread)
 _CHUNK = 900  # host parameters per IN (...) query, under SQLite's default limit of 999
+
+
+def digest_key(digest: bytes) -> int:
+    """A window's key in the store: the first 64 bits of its salted digest, as SQLite's signed integer."""
+    return int.from_bytes(digest[:8], "little", signed=True)
 
 
 def cache_dir() -> Path:
@@ -117,13 +129,14 @@ def migrate(json_path: str | os.PathLike, sqlite_path: str | os.PathLike | None 
         if data["format"] != FORMAT or data["version"] != 1 or data["window"] != 8:
             raise ValueError(f"format {data['format']!r} v{data['version']} window {data['window']}")
         salt = bytes.fromhex(data["salt"])
-        counts = [(bytes.fromhex(d), int(n)) for d, n in data["counts"].items()]
+        counts = [(digest_key(bytes.fromhex(d)), int(n)) for d, n in data["counts"].items()]
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{source} is not an AEGIS JSON exposure state ({err})") from None
     create_state(target)
     with _connect(target) as db:
         db.execute("UPDATE meta SET value = ? WHERE key = 'salt'", (salt,))
-        db.executemany("INSERT INTO counts(digest, n) VALUES (?, ?)", counts)
+        db.executemany("INSERT INTO counts(digest, n) VALUES (?, ?) ON CONFLICT(digest) DO UPDATE SET n = max(n, "
+                       "excluded.n)", counts)
         db.execute("UPDATE meta SET value = ? WHERE key = 'exports'", (max((n for _, n in counts), default=0),))
     return target
 
@@ -131,7 +144,10 @@ def migrate(json_path: str | os.PathLike, sqlite_path: str | os.PathLike | None 
 def _connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=60.0)
     db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=FULL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints run on the worker thread (Durability)
+    db.execute("PRAGMA cache_size=-65536")
+    db.execute(f"PRAGMA mmap_size={1 << 30}")
     return db
 
 
@@ -140,7 +156,7 @@ def _create_schema(db: sqlite3.Connection, salt: bytes, store_id: str) -> None:
 
     db.execute("BEGIN IMMEDIATE")
     db.execute("CREATE TABLE meta(key TEXT PRIMARY KEY, value) WITHOUT ROWID")
-    db.execute("CREATE TABLE counts(digest BLOB PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID")
+    db.execute("CREATE TABLE counts(digest INTEGER PRIMARY KEY, n INTEGER NOT NULL)")
     db.executemany("INSERT INTO meta VALUES (?, ?)", [("format", FORMAT), ("version", SCHEMA_VERSION),
                                                       ("window", WINDOW), ("salt", salt), ("store_id", store_id),
                                                       ("exports", 0)])
@@ -186,6 +202,31 @@ class _Database:
         self.exports = int(meta["exports"])  # the highest value seen: it may only grow
         self.exports_here = 0  # reservations committed by this process
         self.identity = _identity(path)
+        self.durable: Future[None] | None = None  # the fsync of the last reservation's WAL frames
+        self._since_checkpoint = 0
+        self._checkpointer: sqlite3.Connection | None = None  # the worker's own connection
+
+    def committed(self) -> None:
+        """A reservation was committed (in the OS cache): make it durable, and checkpoint now and then."""
+        self._since_checkpoint += 1
+        checkpoint = self._since_checkpoint >= CHECKPOINT_EVERY
+        if checkpoint:
+            self._since_checkpoint = 0
+        self.durable = _durability().submit(self._sync, checkpoint)
+
+    def _sync(self, checkpoint: bool) -> None:
+        try:
+            fd = os.open(f"{self.path}-wal", os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:  # checkpointed and removed: the frames are in the database file
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if checkpoint:
+            if self._checkpointer is None:
+                self._checkpointer = _connect(self.path)
+            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def validate(self) -> dict:
         """The store's metadata, once its format is checked (a new shield on the store checks it again)."""
@@ -193,7 +234,7 @@ class _Database:
 
         try:
             meta = dict(self.db.execute("SELECT key, value FROM meta").fetchall())
-            self.db.execute("SELECT count(*) FROM counts WHERE digest = x''").fetchone()
+            self.db.execute("SELECT n FROM counts WHERE digest = 0").fetchone()
         except sqlite3.DatabaseError as err:
             raise ValueError(f"exposure state {self.path} is corrupt ({err}): restore it from a backup. Starting a "
                              "new one (aegis.exposure.create_state) would forget every export so far") from None
@@ -215,6 +256,10 @@ class _Database:
         if identity != self.identity:
             raise RuntimeError(f"exposure state {self.path} was replaced under a live shield (another file holds its "
                                "name): restore the original file; nothing was exported")
+        with open(self.path, "rb") as f:  # overwritten in place: this connection's cache would not notice
+            if f.read(16) != b"SQLite format 3\x00":
+                raise ValueError(f"exposure state {self.path} is corrupt (not an SQLite database): restore it from a "
+                                 "backup; nothing was exported")
 
     def check_identity(self) -> None:
         """Inside a transaction: the file is still the store this process opened, not rolled back."""
@@ -236,6 +281,22 @@ def _identity(path: Path) -> tuple[int, int]:
 
 _SHARED: dict[Path, _Database] = {}
 _SHARED_LOCK = threading.Lock()
+_DURABILITY: ThreadPoolExecutor | None = None
+
+
+def _durability() -> ThreadPoolExecutor:
+    global _DURABILITY
+    if _DURABILITY is None:
+        _DURABILITY = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aegis-exposure-sync")
+    return _DURABILITY
+
+
+def _forget_threads_after_fork() -> None:
+    global _DURABILITY
+    _DURABILITY = None  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_threads_after_fork)
 
 
 def _database(path: Path) -> _Database:
@@ -247,6 +308,7 @@ def _database(path: Path) -> _Database:
             found = _SHARED[key] = _Database(path)
         else:
             with found.lock:
+                found.check_file()
                 found.validate()
                 found.check_identity()
         return found
@@ -257,7 +319,7 @@ class ExposureStore:
 
     def __init__(self, state: str | os.PathLike | None):
         self.path: Path | None = None
-        self._memory: dict[bytes, int] = {}
+        self._memory: dict[int, int] = {}
         self._memory_exports = 0
         self._memory_lock = threading.Lock()
         if state == IN_MEMORY:
@@ -283,7 +345,7 @@ class ExposureStore:
         self._db = _database(self.path)
         self.salt, self.store_id = self._db.salt, self._db.store_id
 
-    def reserve(self, rows: Sequence[Collection[bytes]], budget: int) -> int:
+    def reserve(self, rows: Sequence[Collection[int]], budget: int) -> int:
         """The budget decision of one export, atomic across every process on the store: the number of rows
         holding a digest already exported ``budget`` times; when 0, every digest was counted once more."""
         digests = list(set().union(*rows)) if rows else []
@@ -295,11 +357,14 @@ class ExposureStore:
                         self._memory[d] = self._memory.get(d, 0) + 1
                     self._memory_exports += 1
                 return over
+        if self._db.pid != os.getpid():  # a forked child: a connection must not cross a fork
+            assert self.path is not None
+            self._db = _database(self.path)
+            if (self._db.salt, self._db.store_id) != (self.salt, self.store_id):
+                raise RuntimeError(f"exposure state {self.path} was replaced (its salt or id changed): restore the "
+                                   "original file; nothing was exported")
         db = self._db
         with db.lock:
-            if db.pid != os.getpid():
-                raise RuntimeError(f"exposure state {self.path}: this shield was created in another process; "
-                                   "protect the model again in this one")
             _check_location(db.path)
             db.check_file()
             try:
@@ -309,7 +374,7 @@ class ExposureStore:
                                  "was exported") from None
 
     @staticmethod
-    def _reserve(db: _Database, rows: Sequence[Collection[bytes]], digests: list[bytes], budget: int) -> int:
+    def _reserve(db: _Database, rows: Sequence[Collection[int]], digests: list[int], budget: int) -> int:
         db.db.execute("BEGIN IMMEDIATE")
         try:
             db.check_identity()
@@ -326,14 +391,21 @@ class ExposureStore:
         if not over and digests:
             db.exports += 1
             db.exports_here += 1
+            db.committed()
         return over
+
+    def wait_durable(self) -> None:
+        """Block until the last reservation survives a power loss (``export()`` calls this)."""
+        durable = None if self._db is None else self._db.durable
+        if durable is not None:
+            durable.result()
 
     @property
     def exports_here(self) -> int:
         """Exports this process counted in the store (the rest came from other processes or earlier runs)."""
         return self._memory_exports if self._db is None else self._db.exports_here
 
-    def count(self, digest: bytes) -> int:
+    def count(self, digest: int) -> int:
         if self._db is None:
             return self._memory.get(digest, 0)
         with self._db.lock:
@@ -357,8 +429,8 @@ class ExposureStore:
         return StoreSummary(str(self.path), self.store_id, int(windows), int(top), exports, size)
 
 
-def _read(db: sqlite3.Connection, digests: list[bytes]) -> dict[bytes, int]:
-    counts: dict[bytes, int] = {}
+def _read(db: sqlite3.Connection, digests: list[int]) -> dict[int, int]:
+    counts: dict[int, int] = {}
     for start in range(0, len(digests), _CHUNK):
         chunk = digests[start : start + _CHUNK]
         marks = ",".join("?" * len(chunk))
@@ -366,7 +438,7 @@ def _read(db: sqlite3.Connection, digests: list[bytes]) -> dict[bytes, int]:
     return counts
 
 
-def _over(rows: Sequence[Collection[bytes]], counts: dict[bytes, int], budget: int) -> int:
+def _over(rows: Sequence[Collection[int]], counts: dict[int, int], budget: int) -> int:
     return sum(any(counts.get(d, 0) >= budget for d in row) for row in rows)
 
 

@@ -20,8 +20,8 @@ from aegis_kernels.cuda_graph import GraphedFlood
 from . import ranks
 from .accounting import DELTA, PrivacyStatement, noise_multiplier, statement
 from .calibration import PublicLoss, public_statistics, synthetic_loss
-from .config import AegisConfig, Calibration
-from .exposure import ExposurePolicy, ExposureTracker
+from .config import AegisConfig, Calibration, ExportMode
+from .exposure import ExposurePolicy, ExposureTracker, input_embeddings
 from .policy import ParamPlan, plan, rows_view
 
 
@@ -113,18 +113,17 @@ class Shield:
         self._step = 0
         self._masked: list[tuple[weakref.ref | None, int]] | None = None
         self._checksum: Tensor | None = None
-        self._state: Tensor | None = None
-        self._state_pid = 0
         self._mode_string = ",".join(self._modes)
         self._graphed: GraphedFlood | None = None
         self._hook = None
         self._skipped: list[str] = []  # non-finite gradients of the last mask_() (a skipped step)
         self._skipped_steps = self._silenced_steps = 0
         self._grad_arrived = False  # a backward reached a trainable parameter since the last mask_()
-        self._exposure: ExposureTracker | None = None
-        if config.exposure is not ExposurePolicy.OFF and self._flooded:
+        self._exposure: ExposureTracker | None = None  # counts exposures, or (OFF) only the rows of a step
+        counting = config.exposure is not ExposurePolicy.OFF
+        if self._flooded and (counting or input_embeddings(model) is not None):
             self._exposure = ExposureTracker(model, config.exposures, _weakly(self._flooded_grads),
-                                             config.exposure_state)
+                                             config.exposure_state, counting=counting)
         # The model's hooks hold the shield weakly: a shield nobody holds (and no optimizer hooks) is collected,
         # its hooks go with it, and the model may be protected again. The optimizer hook holds it strongly.
         handles = [p.param.register_post_accumulate_grad_hook(_weakly(self._on_gradient))
@@ -223,9 +222,9 @@ class Shield:
             raise RuntimeError(
                 "mask_() inside a CUDA-graph capture needs AegisConfig(device_seed=True): with a host key the graph "
                 "replays one key on every step, and the difference of two exports is noise-free"
-                + ("" if self._exposure is None else " (and exposure=ExposurePolicy.OFF: a replay counts nothing)")
+                + ("" if not self._counting else " (and exposure=ExposurePolicy.OFF: a replay counts nothing)")
             )
-        if capturing and self._exposure is not None:
+        if capturing and self._counting:
             raise RuntimeError(
                 "mask_() inside a CUDA-graph capture cannot count exposures (a replay runs no Python hook and "
                 "the token ids stay on the device): pass AegisConfig(exposure=ExposurePolicy.OFF) and keep "
@@ -288,9 +287,13 @@ class Shield:
 
     def track_examples(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> None:
         """Count this step's examples from their ids when the forward received ``inputs_embeds``."""
-        if self._exposure is None:
+        if self._exposure is None or not self._exposure.counting:
             raise RuntimeError("track_examples(): exposure tracking is off (ExposurePolicy.OFF or nothing flooded)")
         self._exposure.track(input_ids, attention_mask)
+
+    @property
+    def _counting(self) -> bool:
+        return self._exposure is not None and self._exposure.counting
 
     def _on_gradient(self, param: Tensor) -> None:
         self._grad_arrived = True
@@ -305,6 +308,10 @@ class Shield:
         raises under ExposurePolicy.REFUSE."""
         if self._exposure is None:
             return False
+        if self._exposure.rows_pending:
+            self.config.check_batch(self._exposure.rows_pending)  # the promise's batch sizes, unless opted out
+        if not self._exposure.counting:
+            return False
         over = self._exposure.decide()
         if not over:
             return False
@@ -313,6 +320,7 @@ class Shield:
             # refused again until the gradients are dropped (not merely changed) and a fresh batch runs
             self._exposure.refuse(self._flooded_grads())
             store = self._exposure.store
+            assert store is not None
             raise RuntimeError(
                 f"mask_() refused: {over} example(s) of this batch hold text already exported "
                 f"{self._exposure.budget} time(s), the exposure budget of this configuration (noise averages "
@@ -369,11 +377,14 @@ class Shield:
             raise RuntimeError("AegisConfig(device_seed=True) under torch.distributed: each rank would draw its own "
                                "master key and the replicas would drift apart; use device_seed=False (rank 0's "
                                "host key is shared with every rank)")
-        if self._state is None or self._state_pid != os.getpid() or self._state.device != device:
-            master = self._fixed_key if self._fixed_key is not None else ref.new_key()
-            self._state = torch.cat([master, torch.tensor([self._step])]).to(device)
-            self._state_pid = os.getpid()
-        return self._state
+        held = _DEVICE_STATES.get(self)
+        if held is None or held[1] != os.getpid() or held[0].device != device:
+            fresh = self._fixed_key is None
+            master = ref.new_key() if fresh else self._fixed_key
+            held = _DEVICE_STATES[self] = (torch.cat([master, torch.tensor([self._step])]).to(device), os.getpid())
+            if fresh:
+                master.zero_()  # the host copy; the key lives on in the device state only
+        return held[0]
 
     @property
     def flood_graph_counts(self) -> dict[str, int]:
@@ -419,6 +430,8 @@ class Shield:
                 "export() refused: the gradients are not masked (call shield.mask_() after backward(), "
                 "or export before optimizer.zero_grad())"
             )
+        if self._exposure is not None:
+            self._exposure.wait_durable()  # the reservation survives a power loss before anything leaves
         current = _norms([g for g in (p.param.grad for p in self._flooded) if g is not None])
         if self._checksum is not None and (current is None or not torch.equal(current.view(torch.int32),
                                                                               self._checksum)):
@@ -521,6 +534,10 @@ def _unchanged(snapshot: list[tuple[weakref.ref | None, int]], grads: list[Tenso
     return True
 
 
+# The device-seed state [master key x 8, step] of each shield, kept off the shield object so that its
+# attributes, vars(), gc.get_referents() and pickling never reach the key; gone with the shield.
+_DEVICE_STATES: weakref.WeakKeyDictionary[Shield, tuple[Tensor, int]] = weakref.WeakKeyDictionary()
+
 # Live shields by id of the parameters and optimizers they guard (a second shield would flood twice); each
 # entry keeps weak references to the object and its shield, so a copy of a model is not guarded.
 _GUARDED: dict[int, tuple[weakref.ref, weakref.ref[Shield]]] = {}
@@ -579,4 +596,9 @@ def protect(
 
     ``calibration_loss()``: a scalar loss on PUBLIC data (e.g. ``aegis.calibration.text_loss``) that
     sets every tensor's noise level and clip bound; None uses synthetic tokens of a fixed shape."""
-    return Shield(model, optimizer, config or AegisConfig(), calibration_loss)
+    config = config or AegisConfig()
+    if config.export is ExportMode.DELTA:
+        from .delta import DeltaShield
+
+        return DeltaShield(model, optimizer, config, calibration_loss)  # type: ignore[return-value]
+    return Shield(model, optimizer, config, calibration_loss)

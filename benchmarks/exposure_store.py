@@ -1,0 +1,106 @@
+"""What the exposure budget costs per export on the host, as the store grows.
+
+For each size (sentences already stored, 64 tokens each: 57 windows a sentence), a fresh store is filled
+with that history, then B = 8 x 64-token batches of fresh sentences are decided one after another: the
+counting rule (fingerprints and salted digests of the step's rows) and the store's transaction (read the
+counts, reserve, commit). Reports the median per export of each part, the wait for the WAL's fsync that
+``export()`` adds when nothing else overlapped it, and the bytes on disk per stored window.
+
+    python benchmarks/exposure_store.py                    # 1e3, 1e5, 1e6 stored sentences
+    python benchmarks/exposure_store.py --sizes 1000 --exports 20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from aegis.exposure import WINDOW, _Counting, _HostCopy
+from aegis.exposure_store import ExposureStore, create_state, digest_key
+
+RESULTS = Path(__file__).parent / "results"
+BATCH, TOKENS, VOCAB = 8, 64, 49152
+
+
+def fill(store: ExposureStore, sentences: int, chunk: int = 20_000) -> None:
+    """``sentences`` random sentences' worth of windows, written in large transactions (the history)."""
+    windows = TOKENS - WINDOW + 1
+    assert store._db is not None
+    db = store._db.db
+    left = sentences * windows
+    while left:
+        n = min(chunk * windows, left)
+        db.execute("BEGIN IMMEDIATE")
+        db.executemany("INSERT OR IGNORE INTO counts(digest, n) VALUES (?, 1)",
+                       ((digest_key(secrets.token_bytes(8)),) for _ in range(n)))
+        db.execute("COMMIT")
+        left -= n
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def measure(size: int, exports: int, folder: Path) -> dict:
+    path = create_state(folder / f"store-{size}.sqlite")
+    store = ExposureStore(str(path))
+    start = time.perf_counter()
+    fill(store, size)
+    fill_s = time.perf_counter() - start
+    counting = _Counting(store.salt, pad=None, special=frozenset())
+    rng = np.random.default_rng(0)
+    hash_s, store_s, durable_s = [], [], []
+    for _ in range(exports):
+        ids = torch.from_numpy(rng.integers(3, VOCAB, (BATCH, TOKENS)))
+        t0 = time.perf_counter()
+        rows = counting.rows(_HostCopy(ids, torch.ones_like(ids)))
+        t1 = time.perf_counter()
+        over = store.reserve(rows, budget=1)
+        t2 = time.perf_counter()
+        store.wait_durable()  # export() waits for this; mask_() does not
+        t3 = time.perf_counter()
+        assert over == 0
+        hash_s.append(t1 - t0)
+        store_s.append(t2 - t1)
+        durable_s.append(t3 - t2)
+    summary = store.summary()
+    return {
+        "stored_sentences": size, "stored_windows": summary.windows, "exports": exports,
+        "fill_s": fill_s, "hash_ms": statistics.median(hash_s) * 1e3, "store_ms": statistics.median(store_s) * 1e3,
+        "total_ms": statistics.median(h + s for h, s in zip(hash_s, store_s)) * 1e3,
+        "store_p90_ms": float(np.percentile(store_s, 90)) * 1e3,
+        "durable_wait_ms": statistics.median(durable_s) * 1e3,
+        "bytes": summary.bytes, "bytes_per_window": summary.bytes / max(summary.windows, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1000,100000,1000000", help="stored sentences, comma-separated")
+    parser.add_argument("--exports", type=int, default=200, help="exports timed per size")
+    parser.add_argument("--dir", type=Path, default=None, help="where the stores live (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    folder = args.dir or Path(tempfile.mkdtemp(prefix="aegis-store-bench-"))
+    rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / "exposure-store-cpu.json"
+    for size in (int(s) for s in args.sizes.split(",")):
+        row = measure(size, args.exports, folder)
+        rows.append(row)
+        print(f"{size:>9} sentences ({row['stored_windows']:>10} windows): hash {row['hash_ms']:.2f} ms + store "
+              f"{row['store_ms']:.2f} ms (p90 {row['store_p90_ms']:.2f}) per export; "
+              f"{row['bytes_per_window']:.1f} bytes per window", flush=True)
+        out.write_text(json.dumps({"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                                   "batch": BATCH, "tokens": TOKENS, "rows": rows}, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
