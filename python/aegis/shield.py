@@ -380,7 +380,7 @@ class Shield:
         held = _DEVICE_STATES.get(self)
         if held is None or held[1] != os.getpid() or held[0].device != device:
             fresh = self._fixed_key is None
-            master = ref.new_key() if fresh else self._fixed_key
+            master = ref.new_key() if self._fixed_key is None else self._fixed_key
             held = _DEVICE_STATES[self] = (torch.cat([master, torch.tensor([self._step])]).to(device), os.getpid())
             if fresh:
                 master.zero_()  # the host copy; the key lives on in the device state only
