@@ -75,3 +75,15 @@ def test_no_preset_warning_for_a_preset_the_user_did_not_choose():
     result = runner.invoke(app, ["inspect", "decoder", "--summary-only"])
     assert result.exit_code == 0, result.output
     assert "warning" not in result.output.lower() and "paper" not in result.stderr
+
+
+def test_a_mistyped_command_is_suggested_once_and_a_bare_group_shows_its_help():
+    result = runner.invoke(app, ["inspct"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: No such command 'inspct'. Did you mean 'inspect'? (see aegis --help)"
+    result = runner.invoke(app, ["exposure", "shw"])
+    assert result.stderr.strip() == ("error: No such command 'shw'. Did you mean 'show'? "
+                                     "(see aegis exposure --help)")
+    for args in ([], ["exposure"]):
+        result = runner.invoke(app, args)
+        assert "Usage: " in result.output and "Commands:" in result.output and "error:" not in result.output

@@ -5,6 +5,8 @@ Nothing here imports torch: each command imports what it needs when it runs, so 
 
 from __future__ import annotations
 
+import re
+
 import click
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -19,8 +21,11 @@ class OneLineError(click.ClickException):
         click.echo(f"error: {self.format_message()}", err=True)
 
 
-def _one_line(err: click.UsageError, command: str) -> OneLineError:
+def _one_line(err: click.UsageError, command: str) -> click.ClickException:
+    if isinstance(err, click.exceptions.NoArgsIsHelpError):
+        return err  # a bare group: click prints its help
     message = " ".join(err.format_message().split())
+    message = re.sub(r"(Did you mean [^?]+\?)( \1)+", r"\1", message)  # click and typer both suggest
     return OneLineError(f"{message} (see aegis {command} --help)".replace("aegis  ", "aegis "))
 
 
