@@ -152,3 +152,32 @@ def test_lora_embedding_factor_does_not_reveal_the_tokens():
     top = set(torch.linalg.vector_norm(exported, dim=0).topk(len(tokens)).indices.tolist())
     print("overlap", len(top & tokens))
     assert len(top & tokens) <= 4  # chance: 11 of 96 columns overlap 1.3 on average
+
+
+def test_no_attribute_path_from_the_shield_reaches_the_device_key():
+    """Whoever holds the shield object (vars, __dict__, gc.get_referents) finds no copy of the master key."""
+    import gc
+    import types
+
+    model = build("gpt2")
+    shield = aegis.protect(model, config=aegis.AegisConfig(device_seed=True, preset="verification"))
+    _masked(model, shield, seed=1)
+    master = device_master(shield).clone()
+    assert bool(master.any())
+    code_like = (types.FunctionType, types.MethodType, types.ModuleType, type, types.CodeType, types.FrameType,
+                 types.BuiltinFunctionType)
+    seen, frontier, tensors = {id(shield)}, [shield], 0
+    while frontier and len(seen) < 200_000:
+        obj = frontier.pop()
+        if isinstance(obj, torch.Tensor):
+            tensors += 1
+            flat = obj.detach().reshape(-1)
+            if flat.dtype == master.dtype and flat.numel() >= master.numel():
+                windows = flat.unfold(0, master.numel(), 1)
+                assert not bool((windows == master).all(dim=1).any()), "the master key is reachable from the shield"
+            continue
+        for ref_ in gc.get_referents(obj):
+            if id(ref_) not in seen and not isinstance(ref_, code_like):
+                seen.add(id(ref_))
+                frontier.append(ref_)
+    assert tensors > 10  # the walk did reach the shield's tensors (parameters, gradients, tables)

@@ -364,7 +364,7 @@ class AegisConfig:
     exposure:       ExposurePolicy.REFUSE (default: ``mask_()`` raises past the budget), SILENCE (that
                     step exports pure noise) or OFF (no tracking: the guarantee covers one export).
     exposure_state: the file the exposure counts persist in across runs and restarts (see
-                    ``aegis.exposure``): None (default) is ``default.json`` under the user's cache folder
+                    ``aegis.exposure``): None (default) is ``default.sqlite`` under the user's cache folder
                     (``$AEGIS_CACHE_DIR`` or ``~/.cache/aegis/exposure``), created on first use; a named
                     file must exist (``aegis.exposure.create_state``); ``aegis.exposure.IN_MEMORY`` keeps
                     the counts for the shield's lifetime only (simulations).
