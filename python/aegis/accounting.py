@@ -15,6 +15,9 @@ Gaussian mechanism with noise multiplier
 
     z = 1 / sqrt( sum_k R_k (2 rho_k clip_k / sigma_k)^2 )        (per export; 0 if a tensor is clean)
 
+(with 1 in place of 2 for a user whose whole clipped delta is added or removed: user-level accounting in
+delta mode, :mod:`aegis.fl.secure.delta_rounds`; :func:`calibrate_noise_multiplier` inverts the statement)
+
 and an example exported K times (the exposure budget, or the rounds it is in) is K such mechanisms
 composed. Without sampling the composition is exactly one Gaussian mechanism of parameter sqrt(K)/z and
 :func:`gaussian_epsilon` gives epsilon exactly (replace-one and add/remove alike). With Poisson
@@ -55,21 +58,27 @@ class PrivacyStatement:
 
 
 def noise_multiplier(table: Table, shapes: Mapping[str, tuple[int, ...]], modes: Mapping[str, str],
-                     rows: Mapping[str, int] | None = None) -> float:
+                     rows: Mapping[str, int] | None = None, *, sensitivity: float = 2.0) -> float:
     """z of one export of the full flood (the aggregate at the pin) under the public ``table``.
 
     ``modes[name]`` is "rows" or "matrix"; ``rows[name]`` the rows one example can change in a rows
-    flood (default: the tensor's largest dimension, which bounds its row count)."""
+    flood (default: the tensor's largest dimension, which bounds its row count). ``sensitivity`` is the
+    most one neighbour moves a clipped unit, in units of ``rho clip``: 2 for an example of a client's
+    batch (replaced, added or removed, the batch's clipped sum moves by at most two clips), 1 for a user
+    whose whole contribution is added or removed (user-level accounting in delta mode)."""
+    if not sensitivity > 0.0:
+        raise ValueError(f"sensitivity={sensitivity}: the clipped units one neighbour moves, > 0 (2: an example, "
+                         "1: a whole user's delta)")
     total = 0.0
     for name, (rho, sigma, clip, _thr) in table.items():
-        if rho == 0.0:
-            continue  # pure noise: nothing of the batch leaves through this tensor
+        if rho == 0.0 or clip == 0.0:
+            continue  # pure noise, or clipped to nothing: nothing of the batch leaves through this tensor
         if not sigma > 0.0:
             return 0.0  # signal without noise: no finite epsilon
         units = 1
         if modes[name] == "rows":
             units = int((rows or {}).get(name, max(shapes[name])))
-        total += units * (2.0 * rho * clip / sigma) ** 2
+        total += units * (sensitivity * rho * clip / sigma) ** 2
     return math.inf if total == 0.0 else 1.0 / math.sqrt(total)
 
 
@@ -148,6 +157,35 @@ def _log_phi(x: float) -> float:
     if x > -30.0:
         return math.log(0.5 * math.erfc(-x / math.sqrt(2.0)))
     return -x * x / 2 - math.log(-x) - 0.5 * math.log(2 * math.pi) + math.log1p(-1 / x**2 + 3 / x**4)
+
+
+def calibrate_noise_multiplier(epsilon: float, compositions: int, *, sample_rate: float = 1.0,
+                               delta: float = DELTA, tolerance: float = 1e-3) -> float:
+    """The smallest noise multiplier z (within a relative ``tolerance``, rounded up) at which ``compositions``
+    Gaussian mechanisms, each sampled at ``sample_rate``, give at most ``epsilon`` at ``delta`` by
+    :func:`epsilons` (its epsilon decreases as z grows). Without sampling z = sqrt(compositions) / mu with
+    mu the exact Gaussian parameter of ``epsilon`` (:func:`gaussian_epsilon` inverted)."""
+    if not (epsilon > 0.0 and math.isfinite(epsilon)):
+        raise ValueError(f"epsilon={epsilon}: the target is a finite epsilon > 0 (e.g. 8)")
+    if compositions < 1:
+        raise ValueError(f"compositions={compositions}: calibrate for at least one round (export)")
+    if not 0.0 < tolerance < 1.0:
+        raise ValueError(f"tolerance={tolerance}: a relative precision in (0, 1), e.g. 1e-3")
+
+    def too_weak(z: float) -> bool:
+        if sample_rate == 1.0:
+            return gaussian_epsilon(math.sqrt(compositions) / z, delta) > epsilon
+        return epsilons(z, compositions, sample_rate, delta)[0] > epsilon
+
+    lo, hi = 1.0, 1.0
+    while too_weak(hi):
+        lo, hi = hi, 2.0 * hi
+    while not too_weak(lo) and lo > 1e-6:
+        lo, hi = lo / 2.0, lo
+    while hi / lo > 1.0 + tolerance:  # too_weak(lo), not too_weak(hi): bisect in log z
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if too_weak(mid) else (lo, mid)
+    return hi
 
 
 def statement(z: float, compositions: int, *, sample_rate: float = 1.0, delta: float = DELTA) -> PrivacyStatement:

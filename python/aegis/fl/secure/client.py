@@ -143,16 +143,21 @@ class SecureTrainer:
         return Message(fitres_content(update), reply_to=msg)
 
     def _load(self, record: ArrayRecord) -> None:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        arrays = list(record.values())
-        if len(arrays) != len(params):
-            raise ValueError(f"the server sent {len(arrays)} arrays for {len(params)} trainable parameters")
-        with torch.no_grad():
-            for p, a in zip(params, arrays):
-                value = torch.from_numpy(np.array(bytes_to_ndarray(a.data), dtype=np.float32))
-                if value.shape != p.shape:
-                    raise ValueError(f"the server sent shape {tuple(value.shape)} for one of shape {tuple(p.shape)}")
-                p.copy_(value)
+        load_arrays(self.model, record)
+
+
+def load_arrays(model: nn.Module, record: ArrayRecord) -> None:
+    """The server's global arrays into ``model``'s trainable parameters, in order (count and shapes checked)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    arrays = list(record.values())
+    if len(arrays) != len(params):
+        raise ValueError(f"the server sent {len(arrays)} arrays for {len(params)} trainable parameters")
+    with torch.no_grad():
+        for p, a in zip(params, arrays):
+            value = torch.from_numpy(np.array(bytes_to_ndarray(a.data), dtype=np.float32))
+            if value.shape != p.shape:
+                raise ValueError(f"the server sent shape {tuple(value.shape)} for one of shape {tuple(p.shape)}")
+            p.copy_(value.to(p.device))
 
 
 def fitres_content(update: Sequence[Tensor]) -> RecordDict:
