@@ -14,8 +14,9 @@ def report_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     result = CliRunner().invoke(
         app,
-        ["audit", "--quick", "--out", str(out), "--defences", "none,aegis-verification,prune-90",
-         "--attacks", "dager,embedding_norm", "--rounds", "1", "--clients", "1", "--threads", "1"],
+        ["audit", "--quick", "--out", str(out), "--defences", "none,aegis-verification,aegis-sentences,prune-90",
+         "--attacks", "dager,embedding_norm", "--rounds", "1", "--clients", "1", "--batch-size", "2",
+         "--threads", "1"],
         env={"COLUMNS": "200"},
     )
     assert result.exit_code == 0, result.output
@@ -27,7 +28,8 @@ def test_report_json_schema_and_privacy(report_dir):
     assert report["complete"]
     rows = {(r["model"], r["defence"], r["attack"]): r for r in report["results"]}
     assert set(rows) == {
-        ("decoder", d, a) for d in ("none", "aegis-verification", "prune-90") for a in ("dager", "embedding_norm")
+        ("decoder", d, a) for d in ("none", "aegis-verification", "aegis-sentences", "prune-90")
+        for a in ("dager", "embedding_norm")
     }
     for row in rows.values():
         keys = {"rouge1", "rouge2", "rougeL", "token_recall", "exact_rate", "null", "null_token_recall", "leaks"}
@@ -50,11 +52,17 @@ def test_report_json_schema_and_privacy(report_dir):
     assert shield["text"].startswith("stops candidate verification and reconstruction")
     assert "promise kept at batch 2" in shield["text"]
     assert verdicts["prune-90"]["promise"] is None and verdicts["prune-90"]["promise_kept"] is None
+    # a preset is measured outside its promise too (its clients export), and the verdict says so
+    sentences = verdicts["aegis-sentences"]
+    assert sentences["promise_kept"] is None
+    assert sentences["promise_note"] == "batch 2 is below the batch 8 it is stated for"
+    rounds = next(r["rounds"] for r in report["rounds"] if r["defence"] == "aegis-sentences")
+    assert [r["clients-ok"] for r in rounds] == [1.0]
     assert any("embedding_norm token recall" in text for text in verdicts["prune-90"]["leaking"])
     nulls = {(n["model"], n["attack"]) for n in report["nulls"]}
     assert nulls == {("decoder", "dager"), ("decoder", "embedding_norm")}
     utility = {u["defence"]: u for u in report["utility"]}
-    assert set(utility) == {"none", "aegis-verification", "prune-90"}
+    assert set(utility) == {"none", "aegis-verification", "aegis-sentences", "prune-90"}
     assert all(u["metric"] == "perplexity" and u["value"] > 1 for u in utility.values())
     assert len({u["before"] for u in utility.values()}) == 1  # one untrained reference
     # an AEGIS row states the preset's (epsilon, delta): its exposure budget's exports at one export's noise
@@ -77,7 +85,7 @@ def test_plot_and_html_show_what_they_claim(report_dir):
     epsilon = report["utility"][[u["defence"] for u in report["utility"]].index("aegis-verification")]["epsilon"]
     assert f"<td>{epsilon:.3g} (δ 1e-05)</td></tr>" in aegis_row, aegis_row  # not "–"
     assert verdict_table.count("<span class='leak'>leaks</span>") == 2  # none and prune-90
-    assert verdict_table.count("<span class='holds'>holds</span>") == 1  # aegis-verification
+    assert verdict_table.count("<span class='holds'>holds</span>") == 2  # the two presets
     assert verdict_table.count("<span class='holds'>promise kept</span>") == 1
     assert html.escape(Preset.VERIFICATION.promise.says) in verdict_table
     # long bags of tokens are cut with a count, no cell holds more than 60 tokens
@@ -217,3 +225,23 @@ def test_rank_sum_p_value():
     assert rank_sum_p([1, 3], 40) == pytest.approx(6 / 1600)  # (1,1) (1,2) (2,1) (1,3) (3,1) (2,2)
     assert rank_sum_p([20.5] * 4, 40) > 0.4  # every candidate tied: no evidence
     assert rank_sum_p([1] * 4, 40) == pytest.approx(40.0 ** -4)
+
+
+def test_a_row_no_reply_reached_is_an_error_not_a_verdict(tmp_path, monkeypatch):
+    """Clients that all refused leave nothing to attack: the row must not read "holds"."""
+    import aegis.audit.runner as runner
+
+    real = runner.federate
+
+    def nothing_arrives(*args, **kwargs):
+        fed = real(*args, **kwargs)
+        fed.targets.clear()
+        return fed
+
+    monkeypatch.setattr(runner, "federate", nothing_arrives)
+    result = CliRunner().invoke(app, ["audit", "--quick", "--out", str(tmp_path), "--defences", "none",
+                                      "--attacks", "embedding_norm", "--rounds", "1", "--clients", "1"])
+    assert result.exit_code == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: RuntimeError: decoder · none: no client's reply reached the server"), last
+    assert not (tmp_path / "report.json").exists()  # no row finished

@@ -346,6 +346,9 @@ def run_audit(
                 torch.manual_seed(seed_for(config.seed, kind, spec.name))
                 fed = federate(ctx, spec, batches, examples, evaluate, before, chance,
                                lambda r: progress.step(f"round {r}/{config.rounds}"))
+            if not fed.targets:  # nothing to attack would read as "holds"
+                raise RuntimeError(f"{kind} · {spec.name}: no client's reply reached the server in the attacked "
+                                   f"rounds (per round: {fed.rounds.rounds}); the clients' log says why")
             results, recons = [], []
             for stage in rows[1:]:
                 attack = attacks[stage.what]
