@@ -9,8 +9,9 @@ import torch
 
 import aegis.delta as delta_mod
 import aegis_kernels.reference as ref
+from aegis.calibration import delta_params
 from aegis.config import FROZEN, ROLES, AegisConfig, Calibration, ExportMode, Treatment
-from aegis.delta import DeltaShield, PublicBatches, delta_params
+from aegis.delta import DeltaShield, PublicBatches
 from aegis.exposure import IN_MEMORY, ExposurePolicy
 from families import VOCAB, build
 

@@ -32,12 +32,14 @@ KERNELS = Path(__file__).resolve().parents[1] / "aegis_kernels"
 
 LAYERS: dict[str, int] = {
     **dict.fromkeys(
-        ("aegis", "config", "errors", "registry", "policy", "exposure", "accounting", "calibration", "shield",
-         "defence", "models", "loading", "hf", "smollm2", "data"),
+        ("aegis", "config", "errors", "registry", "policy", "exposure", "exposure_store", "ranks", "accounting",
+         "calibration", "coverage", "flood", "guard", "shield", "delta", "defence", "models", "loading", "hf",
+         "smollm2", "data"),
         0,
     ),
     "baselines": 1,
     "attacks": 2,
+    "delta_attacks": 2,
     "metrics": 2,
     "fl": 3,
     "harness": 4,

@@ -902,7 +902,7 @@ def test_gpu_shield_mask_is_graph_capturable():
         for p, c in zip(params, clean):
             p.grad.copy_(c)
         shield.mask_()
-    state = aegis.shield._DEVICE_STATES[shield][0]
+    state = aegis.flood.device_state_of(shield._flood)
     results, steps = [], []
     for _ in range(3):
         steps.append(state[8].item())
@@ -1002,6 +1002,6 @@ def test_gpu_graphed_mask_secret_key_is_fresh_per_replay():
                 p.grad.copy_(clean[n])
         shield.mask_()
         outs.append(shield.export()["transformer.wte.weight"])
-    assert shield._graphed.replays == 2
+    assert shield._flood.graphed.replays == 2
     diffs = [(outs[i] - outs[j]).abs().max().item() for i in range(4) for j in range(i)]
     assert min(diffs) > 0  # no two steps share noise

@@ -23,10 +23,10 @@ def _expected_export(shield, clean: dict[str, torch.Tensor], step: int) -> dict[
     key = aegis_kernels.derive_key(aegis_kernels.key_from_int(SEED), step)
     out = {}
     for (k, p), off in zip(flooded, offsets):
-        rows = shield._modes[k] == "rows"
-        g = rows_view(clean[p.name], shield._transposed[k]) if rows else clean[p.name]
-        flooded_g = torch.ops.aegis.flood(g, shield._modes[k], shield._params[k], key, off)[0]
-        out[p.name] = (flooded_g.t() if shield._transposed[k] else flooded_g.view_as(clean[p.name]))
+        rows = shield._flooded[k].flood_mode == "rows"
+        g = rows_view(clean[p.name], shield._flooded[k].transposed) if rows else clean[p.name]
+        flooded_g = torch.ops.aegis.flood(g, shield._flooded[k].flood_mode, shield._params[k], key, off)[0]
+        out[p.name] = (flooded_g.t() if shield._flooded[k].transposed else flooded_g.view_as(clean[p.name]))
     return out
 
 
@@ -198,7 +198,7 @@ def test_trainer_callback_masks_before_each_step(tmp_path):
                                use_cpu=True, save_strategy="no", logging_strategy="no")
     trainer = T.Trainer(model=model, args=args, train_dataset=data, callbacks=[shield.trainer_callback()])
     trainer.train()
-    assert shield._step == 2
+    assert shield._flood.step == 2
     assert torch.equal(model.transformer.h[0].attn.c_attn.weight, attn)
 
 
@@ -241,7 +241,7 @@ def test_default_decoder_export_on_cuda_is_the_flood_of_the_clean_gradient():
     ids = torch.randint(3, 30522, (2, 9), generator=torch.Generator().manual_seed(0)).cuda()
     model(input_ids=ids, labels=ids).loss.backward()
     clean = _clean_grads(model)
-    assert clean["cls.predictions.bias"].dim() == 1 and shield._modes[-1] == "rows"
+    assert clean["cls.predictions.bias"].dim() == 1 and shield._flooded[-1].flood_mode == "rows"
     shield.mask_()
     expected = _expected_export(shield, clean, step=0)
     for name, tensor in shield.export().items():

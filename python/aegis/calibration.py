@@ -9,14 +9,17 @@ the private batch only through rho * clip(G). docs/design.md §1.3 argues the ch
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 import aegis_kernels.reference as ref
 
-from .policy import rows_view
+from .config import Treatment
+from .policy import ParamPlan, rows_view
 
 PublicLoss = Callable[[], Tensor]
 CALIBRATION_SHAPE = (8, 64)  # (batch, tokens) of the default synthetic batch
@@ -84,3 +87,68 @@ def public_statistics(params: Sequence[nn.Parameter], modes: Sequence[str], loss
         g = g if g is not None else torch.zeros_like(p)
         stats.append(ref.statistic(rows_view(g, t) if mode == "rows" else g, mode, tau, nonzero=True))
     return torch.stack(stats)
+
+
+COLUMNS = ("rho", "sigma", "clip", "thr")  # the flood's per-tensor parameters, in the kernels' column order
+
+
+@dataclass(frozen=True)
+class FloodTable:
+    """(rho, sigma, clip, thr) per flooded tensor: ``values`` is the (T, 4) tensor the kernels read (columns
+    in ``COLUMNS`` order), ``names`` the tensors' parameter names."""
+
+    names: tuple[str, ...]
+    values: Tensor
+
+    def column(self, name: str) -> Tensor:
+        return self.values[:, COLUMNS.index(name)]
+
+    def as_dict(self) -> dict[str, tuple[float, float, float, float]]:
+        rows = self.values.detach().double().cpu().tolist()
+        return {n: (r[0], r[1], r[2], r[3]) for n, r in zip(self.names, rows)}
+
+
+def public_table(plans: Sequence[ParamPlan], loss_fn: PublicLoss, tau: float) -> FloodTable:
+    """The public calibration's table of the flooded ``plans``: the one builder the shield, the fingerprint
+    attack and the secure trainer use (per tensor, ``aegis_kernels.reference.public_params``)."""
+    params = [p.param for p in plans]
+    stats = public_statistics(params, [p.flood_mode for p in plans], loss_fn, tau, [p.transposed for p in plans])
+    values = torch.stack([
+        ref.public_params(stat, p.flood_mode, p.treatment.rho, p.treatment.lam, tau, p.treatment.clip,
+                          p.treatment.snr)
+        for stat, p in zip(stats, plans)
+    ]) if plans else torch.zeros(0, len(COLUMNS))
+    return FloodTable(tuple(p.name for p in plans), values)
+
+
+def batch_table(plans: Sequence[ParamPlan], views: Sequence[Tensor], tau: float) -> FloodTable:
+    """The paper's calibration on the private gradients (their flood views): leaks the flood level."""
+    values = torch.stack([ref.batch_params(g, p.flood_mode, p.treatment.rho, p.treatment.lam, tau)
+                          for g, p in zip(views, plans)])
+    return FloodTable(tuple(p.name for p in plans), values)
+
+
+def delta_params(stat: Tensor, mode: str, treatment: Treatment, tau: float) -> Tensor:
+    """(rho, sigma, clip, thr) of one tensor from its PUBLIC delta's statistic [m_bar, M]: clip =
+    treatment.clip x M, sigma = max(lam x m_bar, rho x clip / snr), thr = tau x M (rows). Step mode lowers
+    rho to meet the cap; here sigma rises instead, so the delta keeps its scale."""
+    m_bar, peak = stat.float().unbind()
+    clip = treatment.clip * peak
+    rho = torch.full_like(m_bar, treatment.rho)
+    sigma = treatment.lam * m_bar
+    if treatment.snr == 0:
+        rho = torch.zeros_like(m_bar)  # nothing of the delta may leave this tensor
+    elif math.isfinite(treatment.snr):
+        sigma = torch.maximum(sigma, rho * clip / treatment.snr)
+    thr = tau * peak if mode == "rows" else torch.zeros_like(peak)
+    return torch.stack((rho, sigma, clip, thr))
+
+
+def delta_table(plans: Sequence[ParamPlan], deltas: Sequence[Tensor], tau: float) -> FloodTable:
+    """Delta mode's table from the PUBLIC round's deltas (one per flooded plan): ``delta_params`` per tensor."""
+    values = torch.stack([
+        delta_params(ref.statistic(rows_view(d, p.transposed) if p.flood_mode == "rows" else d, p.flood_mode, tau,
+                                   nonzero=True), p.flood_mode, p.treatment, tau)
+        for d, p in zip(deltas, plans)
+    ]).float()
+    return FloodTable(tuple(p.name for p in plans), values)

@@ -35,8 +35,8 @@ import aegis_kernels  # noqa: F401  (registers torch.ops.aegis)
 import aegis_kernels.reference as ref
 
 from .accounting import DELTA, PrivacyStatement, noise_multiplier, statement
-from .calibration import PublicLoss
-from .config import AegisConfig, Calibration, ExportMode, Treatment
+from .calibration import PublicLoss, delta_table
+from .config import AegisConfig, Calibration, ExportMode
 from .exposure import ExposurePolicy, ExposureTracker
 from .policy import ParamPlan, plan, rows_view
 
@@ -69,22 +69,6 @@ class PublicBatches:
         device = next(self.model.parameters()).device
         ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
         return self.model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-
-
-def delta_params(stat: Tensor, mode: str, treatment: Treatment, tau: float) -> Tensor:
-    """(rho, sigma, clip, thr) of one tensor from its PUBLIC delta's statistic [m_bar, M]: clip =
-    treatment.clip x M, sigma = max(lam x m_bar, rho x clip / snr), thr = tau x M (rows). Step mode lowers
-    rho to meet the cap; here sigma rises instead, so the delta keeps its scale."""
-    m_bar, peak = stat.float().unbind()
-    clip = treatment.clip * peak
-    rho = torch.full_like(m_bar, treatment.rho)
-    sigma = treatment.lam * m_bar
-    if treatment.snr == 0:
-        rho = torch.zeros_like(m_bar)  # nothing of the delta may leave this tensor
-    elif math.isfinite(treatment.snr):
-        sigma = torch.maximum(sigma, rho * clip / treatment.snr)
-    thr = tau * peak if mode == "rows" else torch.zeros_like(peak)
-    return torch.stack((rho, sigma, clip, thr))
 
 
 def _flood(tensors: list[Tensor], modes: str, table: Tensor, key: Tensor) -> None:
@@ -167,9 +151,8 @@ class DeltaShield:
         self.plans = [ParamPlan(p.name, p.param, p.role, p.treatment, p.param.requires_grad, p.clean) for p in plans]
         self._flooded = [p for p in self.plans if p.flooded]
         self._exported = [p for p in self.plans if p.flooded or (p.trainable and p.clean)]
-        self._modes = [p.treatment.kind if p.treatment.kind == "matrix" or p.rows_axis is not None else "matrix"
-                       for p in self._flooded]
-        self._transposed = [p.treatment.kind == "rows" and p.rows_axis == 1 for p in self._flooded]
+        self._modes = [p.flood_mode for p in self._flooded]
+        self._transposed = [p.transposed for p in self._flooded]
         self._loss = calibration_loss
         self._fixed_key = ref.key_from_int(config.seed) if config.seed is not None else None
         self._exposure: ExposureTracker | None = None
@@ -313,17 +296,13 @@ class DeltaShield:
                                          "model's parameters")
                     loss.backward()
                     public_opt.step()
-            tau = self.config.rel_threshold
-            rows = []
-            for p, mode, t in zip(self._flooded, self._modes, self._transposed):
-                d = (p.param.detach() - self._snapshot[p.name]).float()
-                stat = ref.statistic(rows_view(d, t) if mode == "rows" else d, mode, tau, nonzero=True)
-                rows.append(delta_params(stat, mode, p.treatment, tau))
+            deltas = [(p.param.detach() - self._snapshot[p.name]).float() for p in self._flooded]
+            table = delta_table(self._flooded, deltas, self.config.rel_threshold)
         finally:
             self._load(trained)
             for p in self._exported:
                 p.param.grad = None
-        return torch.stack(rows).float()
+        return table.values
 
     # -- state -----------------------------------------------------------------------------------------
     def _load(self, values: dict[str, Tensor]) -> None:

@@ -45,14 +45,13 @@ from torch import Tensor, nn
 from . import ranks
 from .exposure_store import (  # noqa: F401  (the public names of the store, re-exported)
     IN_MEMORY,
+    WINDOW,
     ExposureStore,
     create_state,
     default_state_path,
     digest_key,
     reset_state,
 )
-
-WINDOW = 8  # tokens per fingerprint window
 
 Rows = list[frozenset[int]]  # one digest set per counted row (the store's 64-bit keys)
 
@@ -318,9 +317,19 @@ class ExposureTracker:
             return ranks.decided_by_rank0(lambda: store.reserve(rows, self.budget))
         return store.reserve(rows, self.budget)
 
-    def refuse(self, grads: list[Tensor | None]) -> None:
-        """The step was refused: it stays refused until these gradients are dropped (not merely changed)."""
+    def refuse(self, over: int, grads: list[Tensor | None]) -> RuntimeError:
+        """The step was refused: it stays refused until these gradients are dropped (not merely changed).
+        Returns the error to raise, naming the store and how much of it this process wrote."""
         self._refused = [(g, g._version) for g in grads if g is not None]
+        store = self.store
+        where = "memory (IN_MEMORY)" if store is None or store.path is None else str(store.path)
+        mine = 0 if store is None else store.exports_here
+        return RuntimeError(
+            f"mask_() refused: {over} example(s) of this batch hold text already exported {self.budget} time(s), the "
+            f"exposure budget of this configuration (noise averages out over repeated exports), counted in {where} "
+            f"({mine} export(s) of it by this process). Drop these gradients (optimizer.zero_grad()) and skip the "
+            "batch, raise lam by sqrt(K/budget) and set AegisConfig(exposure_budget=K), or "
+            "AegisConfig(exposure=ExposurePolicy.SILENCE) to export pure noise for such steps")
 
     def discard(self) -> None:
         self._pending, self._untracked, self._backward_seen, self._refused = [], 0, False, None

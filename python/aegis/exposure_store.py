@@ -41,6 +41,7 @@ log = logging.getLogger("aegis.exposure")
 IN_MEMORY = ":memory:"  # exposure_state for simulations: counts live as long as the shield
 CACHE_ENV = "AEGIS_CACHE_DIR"  # the cache folder (default: $XDG_CACHE_HOME/aegis or ~/.cache/aegis)
 FORMAT, SCHEMA_VERSION = "aegis-exposure", 2
+WINDOW = 8  # tokens per fingerprint window (aegis.exposure's counting rule): part of the store's format
 CHECKPOINT_EVERY = 16  # exports between WAL checkpoints (run on the worker thread)
 _CHUNK = 900  # host parameters per IN (...) query, under SQLite's default limit of 999
 
@@ -152,8 +153,6 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 
 def _create_schema(db: sqlite3.Connection, salt: bytes, store_id: str) -> None:
-    from .exposure import WINDOW
-
     db.execute("BEGIN IMMEDIATE")
     db.execute("CREATE TABLE meta(key TEXT PRIMARY KEY, value) WITHOUT ROWID")
     db.execute("CREATE TABLE counts(digest INTEGER PRIMARY KEY, n INTEGER NOT NULL)")
@@ -230,8 +229,6 @@ class _Database:
 
     def validate(self) -> dict:
         """The store's metadata, once its format is checked (a new shield on the store checks it again)."""
-        from .exposure import WINDOW
-
         try:
             meta = dict(self.db.execute("SELECT key, value FROM meta").fetchall())
             self.db.execute("SELECT n FROM counts WHERE digest = 0").fetchone()

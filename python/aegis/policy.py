@@ -146,6 +146,16 @@ class ParamPlan:
         return self.trainable and not self.clean and self.treatment.kind != "frozen"
 
     @property
+    def flood_mode(self) -> str:
+        """"rows" (a rows treatment along the token axis) or "matrix" (a factor with no token axis too)."""
+        return "rows" if self.treatment.kind == "rows" and self.rows_axis is not None else "matrix"
+
+    @property
+    def transposed(self) -> bool:
+        """Its rows flood runs along the columns (the token ids index the second axis)."""
+        return self.flood_mode == "rows" and self.rows_axis == 1
+
+    @property
     def action(self) -> str:
         if self.treatment.kind == "frozen":
             return "frozen"

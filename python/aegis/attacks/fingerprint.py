@@ -36,12 +36,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-import aegis_kernels.reference as ref
-
-from ..calibration import PublicLoss, public_statistics, synthetic_loss
+from ..calibration import PublicLoss, batch_table, public_table, synthetic_loss
 from ..config import AegisConfig, Calibration
 from ..models import is_decoder
-from ..policy import plan, rows_view
+from ..policy import ParamPlan, plan, rows_view
 from .gradients import shared_gradient, tokenize
 
 __all__ = [
@@ -111,14 +109,33 @@ def flood_levels(grads: Mapping[str, Tensor]) -> dict[str, float]:
 # ----------------------------------------------------------------------------- the defence, rebuilt
 @dataclass(frozen=True)
 class _Flooded:
-    name: str
-    param: nn.Parameter
-    mode: str  # "rows" or "matrix"
-    transposed: bool  # token ids index the columns: the flood ran on the transposed view
-    rho: float
-    lam: float
-    clip: float
-    snr: float
+    """One flooded tensor as the attack reads it (from the shield's own plan)."""
+
+    plan: ParamPlan
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def param(self) -> nn.Parameter:
+        return self.plan.param
+
+    @property
+    def mode(self) -> str:
+        return self.plan.flood_mode
+
+    @property
+    def transposed(self) -> bool:
+        return self.plan.transposed
+
+    @property
+    def rho(self) -> float:
+        return self.plan.treatment.rho
+
+    @property
+    def lam(self) -> float:
+        return self.plan.treatment.lam
 
 
 @dataclass(frozen=True)
@@ -166,39 +183,22 @@ class FingerprintAttack:
         self.model, self.config = model, config
         self._loss = calibration_loss
         self._public: Tensor | None = None
-        tensors = []
-        for p in plan(model, config):
-            if not p.flooded:
-                continue
-            mode = p.treatment.kind if p.treatment.kind == "matrix" or p.rows_axis is not None else "matrix"
-            transposed = p.treatment.kind == "rows" and p.rows_axis == 1
-            t = p.treatment
-            tensors.append(_Flooded(p.name, p.param, mode, transposed, t.rho, t.lam, t.clip, t.snr))
-        self.tensors = tensors
+        self.tensors = [_Flooded(p) for p in plan(model, config) if p.flooded]
 
     # -- calibration ---------------------------------------------------------------------------------
     def _public_table(self) -> Tensor:
         """The PUBLIC calibration's (rho, sigma, clip, thr) per flooded tensor, as ``Shield.calibrate``."""
         if self._public is None:
             loss = self._loss if self._loss is not None else synthetic_loss(self.model)
-            tau = self.config.rel_threshold
             with _eval(self.model):
-                stats = public_statistics([t.param for t in self.tensors], [t.mode for t in self.tensors], loss, tau,
-                                          [t.transposed for t in self.tensors])
-            self._public = torch.stack(
-                [
-                    ref.public_params(stat, t.mode, t.rho, t.lam, tau, t.clip, t.snr)
-                    for stat, t in zip(stats, self.tensors)
-                ]
-            ).cpu()
+                table = public_table([t.plan for t in self.tensors], loss, self.config.rel_threshold)
+            self._public = table.values.cpu()
         return self._public
 
     def params(self, grads: Sequence[Tensor]) -> Tensor:
         """(n, 4) (rho, sigma, clip, thr) the defence would use for these (rows-view) gradients."""
         if self.config.calibration is Calibration.BATCH:
-            tau = self.config.rel_threshold
-            return torch.stack([ref.batch_params(g, t.mode, t.rho, t.lam, tau).cpu()
-                                for g, t in zip(grads, self.tensors)])
+            return batch_table([t.plan for t in self.tensors], grads, self.config.rel_threshold).values.cpu()
         return self._public_table()
 
     # -- one candidate -------------------------------------------------------------------------------
