@@ -34,7 +34,7 @@ def test_a_stage_measured_before_predicts_itself_and_its_neighbours(tmp_path):
     again = StageCosts(path)  # the next run reads what this one measured
     assert again.predict(spectral) == pytest.approx(30.0)
     # the same attack on another batch size, another member of the family, another defence of the model
-    assert again.rate(Stage("decoder", 4, "prune-90", "spectral", 1.0)) == pytest.approx(10.0)
+    assert again.rate(Stage("decoder", 4, "prune-90", "spectral", 1.0)) == pytest.approx(20.0)  # twice the tokens
     assert again.rate(Stage("decoder", 2, "prune-50", "spectral", 1.0)) == pytest.approx(10.0)
     assert again.rate(Stage("decoder", 2, "soteria-80", "spectral", 1.0)) == pytest.approx(10.0)
     assert json.loads(path.read_text()) == {spectral.key: 10.0}
@@ -87,6 +87,20 @@ def test_the_plan_counts_only_what_is_left_to_run():
                        verdicts=[Verdict("decoder", "none", False, [], 1.0)])
     assert [(s.defence, s.what) for s in plan(config, done)] == [
         ("model", "load"), ("prune-90", "federate"), ("prune-90", "dager"), ("prune-90", "embedding_norm")]
+
+
+def test_a_stage_past_its_prediction_raises_the_eta():
+    clock = Clock()
+    tracker = Tracker(wall=lambda: clock.wall, cpu=lambda: clock.cpu)
+    stages = [Stage("decoder", 2, "none", "mlp_span", 1.0), Stage("decoder", 2, "none", "dager", 1.0)]
+    tracker.plan(stages, [10.0, 10.0])
+    tracker.start(stages[0])
+    etas = []
+    for _ in range(6):
+        clock.spend(5.0, wall_per_cpu=1.0)
+        etas.append(tracker.eta())
+    assert etas[:2] == pytest.approx([15.0, 10.0])  # on time
+    assert etas[2:] == pytest.approx([15.0, 20.0, 25.0, 30.0])  # 5, 10, 15, 20 s over: as long again, plus dager
 
 
 def test_a_long_stage_prints_a_heartbeat():

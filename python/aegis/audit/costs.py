@@ -18,9 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# CPU seconds per unit measured by the project on a 2-core Xeon (1 torch thread), for the stages of the
-# default and quick audits; only where they differ from 1 (a unit is about a second there by design).
-SHIPPED: dict[str, float] = {}
+from .shipped_costs import SHIPPED
 
 
 @dataclass(frozen=True)
@@ -94,8 +92,9 @@ class StageCosts:
 
 
 def _nearest(table: dict[str, float], stage: Stage) -> float | None:
-    """The rate of ``stage`` in ``table``: its own key, the same stage at the nearest batch size, the same
-    defence family, then the same attack on any defence of that model."""
+    """The rate of ``stage`` in ``table``: its own key, else the same stage at the nearest batch size, the
+    same defence family, then the same attack on any defence of that model; a rate measured at another batch
+    size is scaled to this one (the work grows with the tokens of a batch)."""
     if not table:
         return None
     if stage.key in table:
@@ -106,7 +105,8 @@ def _nearest(table: dict[str, float], stage: Stage) -> float | None:
         lambda m, d, w: m == stage.model and family(d) == family(stage.defence) and w == stage.what,
         lambda m, d, w: m == stage.model and w == stage.what,
     ):
-        rows = [(abs(int(b[1:]) - stage.batch), v) for (m, b, d, w), v in parsed if same(m, d, w)]
+        rows = [(abs(int(b[1:]) - stage.batch), int(b[1:]), v) for (m, b, d, w), v in parsed if same(m, d, w)]
         if rows:
-            return min(rows)[1]
+            _, batch, rate = min(rows)
+            return rate * stage.batch / batch
     return None

@@ -89,7 +89,8 @@ class Tracker:
             return None
         expected, spent = self._in_stage()
         ratio = self._ratio()
-        left = max(0.0, self.total - self.done_predicted - expected) * ratio + max(0.0, expected * ratio - spent)
+        # a stage past its prediction is taken to need as long again as it has overrun so far
+        left = max(0.0, self.total - self.done_predicted - expected) * ratio + abs(expected * ratio - spent)
         return left * (self.wall() - self.started) / cpu_spent
 
     def line(self, text: str) -> str:
