@@ -972,15 +972,16 @@ def test_gpu_graphed_mask_equals_eager_and_replays():
             if n in clean:
                 p.grad.copy_(clean[n])
         eager.mask_()
-        eager._graphed.disabled = "eager reference"  # the same flood_keyed_ of the same state, never captured
+        eager._flood.graphed.disabled = "eager reference"  # the same flood_keyed_ of the same state, never captured
         want = eager.export()
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), step
         exports.append(got)
         if step == 2:
-            assert (graphed._graphed.captures, graphed._graphed.replays) == (1, 1)
+            assert (graphed._flood.graphed.captures, graphed._flood.graphed.replays) == (1, 1)
     # eager 0, capture 1, replay 2 3, eager 4 (new addresses), capture 5, replay 6 7
-    assert graphed._graphed.disabled is None and graphed._graphed.captures == 2 and graphed._graphed.replays == 4
-    assert eager._graphed.captures == 0 and eager._graphed.replays == 0
+    g = graphed._flood.graphed
+    assert g.disabled is None and g.captures == 2 and g.replays == 4
+    assert eager._flood.graphed.captures == 0 and eager._flood.graphed.replays == 0
     name = "transformer.h.0.mlp.c_fc.weight"
     assert not torch.equal(exports[2][name], exports[3][name])  # fresh noise on every replay
 

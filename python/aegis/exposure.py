@@ -317,6 +317,19 @@ class ExposureTracker:
             return ranks.decided_by_rank0(lambda: store.reserve(rows, self.budget))
         return store.reserve(rows, self.budget)
 
+    def decide_async(self) -> Future[int]:
+        """``decide()`` on the worker thread (after the step's hashing, in order), so the transaction runs while
+        the caller launches the flood; the caller joins it before anything is stepped or exported. A problem
+        is raised here at once; under torch.distributed (collectives) it decides here too."""
+        problem = self._problem()
+        store = self.store
+        if problem or store is None or ranks.distributed():
+            done: Future[int] = Future()
+            done.set_result(self.decide())
+            return done
+        pending, budget = list(self._pending), self.budget
+        return _worker().submit(lambda: store.reserve([row for p in pending for row in p.rows()], budget))
+
     def refuse(self, over: int, grads: list[Tensor | None]) -> RuntimeError:
         """The step was refused: it stays refused until these gradients are dropped (not merely changed).
         Returns the error to raise, naming the store and how much of it this process wrote."""

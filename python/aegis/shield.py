@@ -9,6 +9,7 @@ import contextlib
 import warnings
 import weakref
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor, nn
@@ -131,11 +132,14 @@ class Shield:
         tell which modules the batch used). A non-finite gradient skips the step: every gradient is
         dropped (the optimizer step changes nothing), ``export()`` refuses, a warning names the tensors."""
         capturing = self._check()
-        silenced = self._decide()
+        decision = self._decide()
         grads = [_gradient(p.param) for p in self._flooded]
         views = self._views(grads)
-        if views:
-            self._flood(views, self._mode_string, self._table(views), pure_noise=silenced)
+        if views:  # launched while the decision's transaction runs; nothing steps or leaves before it is in
+            self._flood(views, self._mode_string, self._table(views))
+        silenced = self._settle(decision)
+        if silenced and views:  # over the budget: the flood is replaced by pure noise (rho = 0)
+            self._flood(views, self._mode_string, self._table(views), pure_noise=True)
         self._flood.step += 1
         self._commit(grads, views, silenced, capturing)
 
@@ -144,22 +148,25 @@ class Shield:
         if self.is_masked:
             raise RuntimeError("mask_() called twice on the same gradients: they are already masked (a second flood "
                                "would add noise twice). Call backward() again first, or use ensure_masked()")
-        capturing = self._flood.capturing(counting=self._counting)
         if not self._grad_arrived:
             raise RuntimeError("mask_() with no gradient since the last step: call loss.backward() first (flooding "
                                "zeros would export and step on noise alone)")
-        return capturing
+        return self._flood.capturing(counting=self._counting)
 
-    def _decide(self) -> bool:
-        """The exposure decision of this step (one store transaction, before the flood): True when it must be
-        silenced; raises under ExposurePolicy.REFUSE, or for a batch outside the preset's promise."""
+    def _decide(self) -> Future[int] | None:
+        """Start this step's exposure decision (one store transaction, on a worker); refuse at once a batch
+        outside the preset's promise or one whose examples cannot be counted."""
         if self._exposure is None:
-            return False
+            return None
         if self._exposure.rows_pending:
             self.config.check_batch(self._exposure.rows_pending)  # the promise's batch sizes, unless opted out
-        if not self._exposure.counting:
+        return self._exposure.decide_async() if self._exposure.counting else None
+
+    def _settle(self, decision: Future[int] | None) -> bool:
+        """Join the decision: True when the step must be silenced; raises under ExposurePolicy.REFUSE."""
+        if decision is None or self._exposure is None:
             return False
-        over = self._exposure.decide()
+        over = decision.result()
         if not over:
             return False
         if self.config.exposure is ExposurePolicy.REFUSE:
@@ -185,10 +192,9 @@ class Shield:
         return self._params
 
     def _commit(self, grads: list[Tensor], views: list[Tensor], silenced: bool, capturing: bool) -> None:
-        """Record the masked state export() checks; a non-finite gradient skips the step instead."""
+        """Record the masked state export() checks; a non-finite gradient skips the step instead (a NaN or inf
+        makes its flooded tensor non-finite, so the checksum's norms find it; a capture cannot sync)."""
         checks = norms(views)
-        # a NaN or inf anywhere in a gradient makes its flooded tensor non-finite (the clip scale and the
-        # rows' norms carry it), so the norms the export check needs anyway find it; a capture cannot sync
         if checks is not None and not capturing and not bool(torch.isfinite(checks).all()):
             self._skip(checks)
             return
@@ -222,9 +228,7 @@ class Shield:
             raise RuntimeError("track_examples(): exposure tracking is off (ExposurePolicy.OFF or nothing flooded)")
         self._exposure.track(input_ids, attention_mask)
 
-    @property
-    def _counting(self) -> bool:
-        return self._exposure is not None and self._exposure.counting
+    _counting = property(lambda self: self._exposure is not None and self._exposure.counting)
 
     def _on_gradient(self, param: Tensor) -> None:
         self._grad_arrived = True
@@ -237,18 +241,12 @@ class Shield:
     @property
     def flood_graph_counts(self) -> dict[str, int]:
         """{"replays": n, "captures": n} of the CUDA-graph flood (``config.cuda_graph``); {} before one exists."""
-        graphed = self._flood.graphed
-        return {} if graphed is None else {"replays": graphed.replays, "captures": graphed.captures}
+        g = self._flood.graphed
+        return {} if g is None else {"replays": g.replays, "captures": g.captures}
 
-    @property
-    def silenced_steps(self) -> int:
-        """Steps exported as pure noise because their text was past the exposure budget (SILENCE)."""
-        return self._silenced_steps
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps with a non-finite gradient: nothing exported, the optimizer step a no-op."""
-        return self._skipped_steps
+    # steps exported as pure noise (their text past the budget, SILENCE); steps skipped (non-finite gradient)
+    silenced_steps = property(lambda self: self._silenced_steps)
+    skipped_steps = property(lambda self: self._skipped_steps)
 
     @property
     def is_masked(self) -> bool:
@@ -300,7 +298,6 @@ class Shield:
     def trainer_callback(self):
         """A ``transformers.TrainerCallback`` that masks right before each optimizer step."""
         from .hf import AegisCallback
-
         return AegisCallback(self)
 
     def remove(self) -> None:
