@@ -114,8 +114,8 @@ def test_user_level_accountant_against_hand_computed_values():
     # calibration inverts it: exactly sqrt(K) / mu without sampling, to its tolerance with sampling
     z8 = calibrate_noise_multiplier(8.0, 20)
     assert gaussian_epsilon(math.sqrt(20) / z8, 1e-5) <= 8.0 < gaussian_epsilon(math.sqrt(20) / (z8 / 1.002), 1e-5)
-    zq = calibrate_noise_multiplier(3.0, 50, sample_rate=0.05)
-    assert statement(zq, 50, sample_rate=0.05).epsilon <= 3.0 < statement(zq / 1.002, 50, sample_rate=0.05).epsilon
+    zq = calibrate_noise_multiplier(3.0, 50, sample_rate=0.05, tolerance=1e-2)
+    assert statement(zq, 50, sample_rate=0.05).epsilon <= 3.0 < statement(zq / 1.02, 50, sample_rate=0.05).epsilon
     with pytest.raises(ValueError, match="epsilon=0"):
         calibrate_noise_multiplier(0.0, 20)
     with pytest.raises(ValueError, match="sensitivity=0"):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 Table = Mapping[str, tuple[float, float, float, float]]  # name -> public (rho, sigma, clip, thr)
@@ -172,17 +172,27 @@ def calibrate_noise_multiplier(epsilon: float, compositions: int, *, sample_rate
     if not 0.0 < tolerance < 1.0:
         raise ValueError(f"tolerance={tolerance}: a relative precision in (0, 1), e.g. 1e-3")
 
-    def too_weak(z: float) -> bool:
-        if sample_rate == 1.0:
-            return gaussian_epsilon(math.sqrt(compositions) / z, delta) > epsilon
+    def exact(z: float) -> bool:
+        return gaussian_epsilon(math.sqrt(compositions) / z, delta) > epsilon
+
+    def stated(z: float) -> bool:
         return epsilons(z, compositions, sample_rate, delta)[0] > epsilon
 
-    lo, hi = 1.0, 1.0
+    unsampled = _smallest(exact, 1.0, tolerance)
+    # sampling never raises epsilon, so the unsampled z suffices: the costlier search starts there
+    return unsampled if sample_rate == 1.0 else _smallest(stated, unsampled, tolerance)
+
+
+def _smallest(too_weak: Callable[[float], bool], z: float, tolerance: float) -> float:
+    """The smallest z (to a relative ``tolerance``, rounded up) at which ``too_weak`` turns False, searched
+    from ``z``: up by doubling, down by halving from z / 1.5, then bisected in log z."""
+    hi = z
     while too_weak(hi):
-        lo, hi = hi, 2.0 * hi
+        hi *= 2.0
+    lo = hi / 1.5
     while not too_weak(lo) and lo > 1e-6:
         lo, hi = lo / 2.0, lo
-    while hi / lo > 1.0 + tolerance:  # too_weak(lo), not too_weak(hi): bisect in log z
+    while hi / lo > 1.0 + tolerance:  # too_weak(lo), not too_weak(hi)
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if too_weak(mid) else (lo, mid)
     return hi

@@ -48,9 +48,9 @@ from torch import Tensor, nn
 import aegis_kernels  # noqa: F401  (registers torch.ops.aegis)
 import aegis_kernels.reference as ref
 
-from ...accounting import DELTA, PrivacyStatement, Table, noise_multiplier, statement
+from ...accounting import DELTA, PrivacyStatement, Table, calibrate_noise_multiplier, noise_multiplier, statement
 from ...calibration import PublicLoss
-from ...config import AegisConfig, ExportMode, simulated_client
+from ...config import FROZEN, ROLES, AegisConfig, ExportMode, Treatment, simulated_client
 from ...defence import Batch, LossFn, lm_loss
 from ...delta import DeltaShield
 from ...exposure import ExposurePolicy
@@ -141,6 +141,60 @@ def full_table(share: Table, pin: int) -> dict[str, tuple[float, float, float, f
     """A client's share table with sigma times sqrt(pin): the full flood the sum carries at the pin."""
     root = math.sqrt(pin)
     return {n: (rho, sigma * root, clip, thr) for n, (rho, sigma, clip, thr) in share.items()}
+
+
+# -- the recipe ---------------------------------------------------------------------------------------
+TO_BE_MEASURED = "to be measured (benchmarks/clients_curve_delta.py on a GPU)"
+
+
+@dataclass(frozen=True)
+class ScaleRecipe:
+    """A run-config recipe for secure delta rounds over a population: LoRA adapters on the MLP (everything
+    else frozen), ``local_epochs`` clean local epochs per round, each user's whole delta clipped per tensor to
+    ``clip`` x the public round's delta norm, and the noise calibrated so that ``rounds`` rounds at
+    q = N / population give ``epsilon`` per user at ``delta`` (:func:`user_privacy`). The cap S per tensor is
+    then ``1 / (z sqrt(T))`` for T flooded tensors, z at least ``min_noise_multiplier``: the floor at which
+    1-of-n candidate verification against one round's sum, with every other user of the round known, stays at
+    chance (measured on public text). ``n_star`` and ``measured`` hold what the clients curve measured
+    (None / :data:`TO_BE_MEASURED` until then)."""
+
+    name: str
+    epsilon: float
+    rounds: int
+    local_epochs: int
+    sentences_per_user: int
+    rank: int
+    local_lr: float
+    clip: float
+    delta: float = DELTA
+    min_noise_multiplier: float | None = None  # the verification floor (None: to be measured)
+    n_star: int | None = None  # the fewest clients per round that train to 1.25x undefended FedAvg
+    measured: str = TO_BE_MEASURED  # perplexity against undefended, epsilon and verification at n_star
+
+    def noise_multiplier(self, clients: int, population: int) -> float:
+        """User-level z for ``clients`` per round out of ``population`` users (q = clients / population)."""
+        if not 1 <= clients <= population:
+            raise ValueError(f"clients={clients}, population={population}: a round samples 1 to population users "
+                             "(q = N / population <= 1); lower N or use more users (smaller sentences_per_user)")
+        z = calibrate_noise_multiplier(self.epsilon, self.rounds, sample_rate=clients / population,
+                                       delta=self.delta, tolerance=1e-2)  # z within 1 %, epsilon <= the target
+        return max(z, self.min_noise_multiplier or 0.0)
+
+    def config(self, z: float, tensors: int) -> AegisConfig:
+        """The client's delta-mode configuration at user-level multiplier z over ``tensors`` flooded tensors;
+        each user's examples may be in every round (the exposure budget is the rounds)."""
+        if not (z > 0 and tensors >= 1):
+            raise ValueError(f"z={z}, tensors={tensors}: a positive noise multiplier over >= 1 flooded tensor")
+        cap = Treatment("matrix", rho=1.0, clip=self.clip, snr=1.0 / (z * math.sqrt(tensors)))
+        return AegisConfig(preset=dict.fromkeys(ROLES, FROZEN) | {"mlp_lora": cap}, export=ExportMode.DELTA,
+                           exposure_budget=self.rounds)
+
+
+# Verification at scale: a server that verifies candidate texts against a round's sum, for users of D = 4
+# sentences at user-level epsilon 8 (delta 1e-5). Its settings are those benchmarks/clients_curve_delta.py
+# measures (LoRA r = 8 on the MLP, AdamW lr 3e-3, 12 rounds of 2 local epochs, clip 1 x the public delta).
+VERIFICATION_AT_SCALE = ScaleRecipe(name="verification-at-scale", epsilon=8.0, rounds=12, local_epochs=2,
+                                    sentences_per_user=4, rank=8, local_lr=3e-3, clip=1.0)
 
 
 # -- the public round ---------------------------------------------------------------------------------

