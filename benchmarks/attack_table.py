@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 import aegis
 from aegis.attacks import shared_gradient, text_attacks
 from aegis.attacks.embedding_norm import embedding_norm_leak
 from aegis.data import LABELS, load_corpus
 from aegis.metrics import null_baseline, rouge, token_recall
 from aegis.models import attack_settings
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SETTINGS = attack_settings()
 ATTACKS = text_attacks(("dager", "mlp_span", "spectral", "embedding_norm"))

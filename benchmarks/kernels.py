@@ -31,9 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
@@ -41,6 +38,8 @@ import aegis_kernels  # noqa: F401  (registers the CUDA kernels)
 from aegis_kernels import reference as ref
 from aegis_kernels.triton import tables
 from aegis_kernels.triton.launch import GPU as LAUNCH  # the CUDA launch configuration
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TAU, SEED = 0.01, 0x5EED_1234_5678
 LAM_STATIONARY = math.sqrt(math.pi / 2)

@@ -31,16 +31,17 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from aegis import AegisConfig, Treatment
 from aegis.audit.attacks import ModelContext, server_copy
 from aegis.audit.dataset import load
 from aegis.audit.label_attack import evaluate, exposures
-from aegis.audit.options import AuditConfig, DefenceSpec, resolve_defence
+from aegis.audit.options import AuditConfig, resolve_defence
 from aegis.audit.records import ALPHA, MARGIN, THREATS
 from aegis.audit.runner import batch_builder, client_examples, load_model
 from aegis.config import Preset
+from aegis.registry import DefenceSpec
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BATCHES = "1:1280,2:640,8:320"
 

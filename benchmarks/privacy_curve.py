@@ -35,8 +35,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 import aegis
 from aegis import AegisConfig, ExposurePolicy, Treatment
 from aegis.attacks import shared_gradient, text_attacks
@@ -47,6 +45,8 @@ from aegis.config import Preset
 from aegis.data import LABELS, load_corpus
 from aegis.metrics import null_gradient, rouge
 from aegis.models import default_decoder, default_encoder
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LAMS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 QUICK_LAMS = (0.0, 1.0, 4.0)

@@ -43,8 +43,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 import aegis
 from aegis import AegisConfig, Calibration, ExposurePolicy, Treatment
 from aegis.attacks import shared_gradient
@@ -55,6 +53,8 @@ from aegis.attacks.repeated import averaged_export, joint_scores
 from aegis.config import Preset
 from aegis.data import LABELS, load_corpus
 from aegis.models import default_decoder, default_encoder
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(10000)]  # distinct: 7919 is prime to 10^4
 ROWS = ("token_embedding", "position_embedding", "lm_head", "token_embedding_lora", "head")

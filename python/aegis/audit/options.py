@@ -119,6 +119,15 @@ class AuditConfig:
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
 
 
+def __getattr__(name: str):
+    # DefenceSpec is read here by callers of resolve_defence; it loads aegis.registry (and torch) only on use
+    if name == "DefenceSpec":
+        from ..registry import DefenceSpec
+
+        return DefenceSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # -- names ---------------------------------------------------------------------------------------------------------
 
 
