@@ -1,4 +1,5 @@
-"""benchmarks/clients_curve_delta.py: its clipping and verification helpers, and a --quick run on a tiny LLaMA."""
+"""benchmarks/clients_curve_delta.py: its clipping and verification helpers (clients_curve_delta_attacks.py), and a
+--quick run on a tiny LLaMA."""
 from __future__ import annotations
 
 import json
@@ -10,17 +11,18 @@ from aegis.fl.secure.delta_rounds import clip_delta
 from benchmark_scripts import load
 
 curve = load("clients_curve_delta")
+attacks = load("clients_curve_delta_attacks")
 
 
 def test_clipped_sum_is_the_sum_of_each_clients_own_clip():
     g = torch.Generator().manual_seed(0)
     deltas = {"a": torch.randn(5, 3, 4, generator=g), "b": torch.randn(5, 6, generator=g) * 0.1}
     table = {"a": (1.0, 0.3, 3.0, 0.0), "b": (0.5, 0.1, 10.0, 0.0)}  # a's clip binds for most clients, b's never
-    total, bound = curve.clipped_sum(deltas, table)
+    total, bound = attacks.clipped_sum(deltas, table)
     each = [clip_delta({k: v[c] for k, v in deltas.items()}, table) for c in range(5)]
     for k in table:
         torch.testing.assert_close(total[k], sum(e[k] for e in each))
-        torch.testing.assert_close(curve.clipped_each(deltas, table, 2)[k], each[2][k])
+        torch.testing.assert_close(attacks.clipped_each(deltas, table, 2)[k], each[2][k])
     norms = deltas["a"].flatten(1).norm(dim=1)
     assert bound == int((norms > 3.0).sum()) / 10 and 0 < bound < 0.5
 
@@ -28,11 +30,11 @@ def test_clipped_sum_is_the_sum_of_each_clients_own_clip():
 def test_verification_is_at_chance_between_identical_candidates_and_certain_between_distant_ones():
     sigma = {"w": 2.0}
     same = [{"w": torch.ones(50)} for _ in range(4)]
-    chance = curve.verify(same, sigma, trials=400, seed=0, n=4)
+    chance = attacks.verify(same, sigma, trials=400, seed=0, n=4)
     assert chance["null"] == 0.25 and chance["whitened_distance"]["median"] == 0.0
     assert abs(chance["score"] - 0.25) <= 6 * math.sqrt(0.25 * 0.75 / 400)
     far = [{"w": torch.full((50,), 10.0 * j)} for j in range(4)]  # whitened distance 5 sqrt(50) apart
-    assert curve.verify(far, sigma, trials=100, seed=0, n=4)["score"] == 1.0
+    assert attacks.verify(far, sigma, trials=100, seed=0, n=4)["score"] == 1.0
 
 
 def test_quick_run_writes_the_curve_privacy_and_attacks(tmp_path):
