@@ -464,7 +464,11 @@ def main(argv=None) -> dict:
     result["rows"] = grid(a, len(bench.population))
     floor = None if a.verification_floor == "auto" else float(a.verification_floor) or None
     if a.verification_floor == "auto" and any(r["kind"] == "defended" and "error" not in r for r in result["rows"]):
-        floor = measure_floor(bench, result)
+        try:
+            floor = measure_floor(bench, result)
+        except Exception as err:  # the runs go on at the epsilon calibration alone, and say so
+            result["verification_floor"] = {"z": None, "error": f"{type(err).__name__}: {err}",
+                                            "trace": traceback.format_exc()[-1500:]}
     for row in result["rows"]:
         if row["kind"] == "defended" and "error" not in row:
             row["noise_multiplier_target"] = max(row["noise_multiplier_for_epsilon"], floor or 0.0)
