@@ -238,6 +238,8 @@ def test_scale_recipe_sets_each_tensor_cap_so_the_user_level_z_is_the_target():
     z = recipe.noise_multiplier(100, 100)  # q = 1: the exact composition of 4 rounds
     assert user_privacy(z, rounds=4).epsilon <= 8.0 < user_privacy(z / 1.02, rounds=4).epsilon
     assert dataclasses.replace(recipe, min_noise_multiplier=50.0).noise_multiplier(100, 100) == 50.0
-    assert isinstance(recipe, ScaleRecipe) and recipe.n_star is None
+    assert recipe.config(2.5, 6).treatments["mlp_lora"].snr == pytest.approx(1 / (2.5 * math.sqrt(6)))
+    with pytest.raises(ValueError, match="z=0"):
+        ScaleRecipe("x", 8.0, 4, 1, 4, 8, 1e-3, 1.0).config(0.0, 6)
     with pytest.raises(ValueError, match="clients=200, population=100"):
         recipe.noise_multiplier(200, 100)
