@@ -15,6 +15,9 @@ each client adds a ``1 / sqrt(t)`` share of the flood, ``t`` the smallest surviv
   side saw, for tests.
 * :mod:`~aegis.fl.secure.shortcut` — a round's sum without the round; :mod:`~aegis.fl.secure.audit` — what a
   server running SecAgg+ attacks.
+* :mod:`~aegis.fl.secure.delta_rounds` — delta mode under SecAgg+: :func:`run_secure_delta_rounds`, the
+  share, user-level (epsilon, delta), the delta shortcut and the ``VERIFICATION_AT_SCALE`` recipe;
+  :mod:`~aegis.fl.secure.cohort` — many LoRA clients trained at once.
 """
 
 from .client import SecureTrainer, noise_share
