@@ -76,6 +76,27 @@ def test_the_eta_is_within_30_percent_by_mid_run():
     assert tracker.share() == 1.0
 
 
+def test_the_eta_follows_the_load_of_the_last_minute():
+    """The cores are shared: for the first 10 of 60 stages a CPU second takes 4 wall seconds, then 1.5. The CPU
+    is predicted right; the wall rate is the last minute's, so by the middle of the run the ETA holds (the
+    run's average rate, 2.7 there, would overshoot by 75 %)."""
+    stages = [Stage("decoder", 2, "none", f"a{i}", 1.0) for i in range(60)]
+    clock = Clock()
+    tracker = Tracker(wall=lambda: clock.wall, cpu=lambda: clock.cpu)
+    tracker.plan(stages, [5.0] * 60)
+    total_wall = 10 * 5 * 4.0 + 50 * 5 * 1.5
+    eta_mid, left_mid = None, None
+    for i, stage in enumerate(stages):
+        tracker.start(stage)
+        for _ in range(5):  # a heartbeat per CPU second
+            clock.spend(1.0, 4.0 if i < 10 else 1.5)
+            tracker.sample()
+            if eta_mid is None and clock.wall >= total_wall / 2:
+                eta_mid, left_mid = tracker.eta(), total_wall - clock.wall
+        tracker.finish(stage, 5.0)
+    assert eta_mid == pytest.approx(left_mid, rel=0.3)
+
+
 def test_the_plan_counts_only_what_is_left_to_run():
     config = AuditConfig.quick(defences=("none", "prune-90"), attacks=("dager", "embedding_norm"))
     fresh = plan(config, AuditReport({}))

@@ -64,7 +64,7 @@ MAX_ROUNDS = 100
 
 @dataclass(frozen=True)
 class AuditConfig:
-    """What the audit runs. The defaults are the main job (about 10 CPU-minutes on 2 cores); ``quick()`` is
+    """What the audit runs. The defaults are the main job (about 7 CPU-minutes); ``quick()`` is
     the under-3-CPU-minutes variant and ``full()`` the full study."""
 
     models: tuple[str, ...] = MODELS

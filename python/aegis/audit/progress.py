@@ -4,11 +4,13 @@ stage (an attack's search) runs.
 
 The ETA comes from the plan: every stage's predicted CPU seconds (:mod:`aegis.audit.costs`), scaled by how
 this run compares with the prediction so far (its measured CPU over the predicted CPU of the finished
-stages) and by the wall seconds one CPU second takes here (threads, other processes on the cores).
+stages) and by the wall seconds one CPU second takes here over the last minute (threads, other processes on
+the cores: the load of a shared machine changes within a run).
 """
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import time
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from .costs import Stage
+
+WINDOW = 60.0  # seconds of wall time over which the ETA measures how long a CPU second takes
 
 
 def _noop(*args) -> None:
@@ -53,6 +57,7 @@ class Tracker:
         self.current: Stage | None = None
         self.current_cpu = 0.0
         self.current_wall = self.started
+        self.samples: collections.deque[tuple[float, float]] = collections.deque()  # (wall, cpu), newest last
 
     def plan(self, stages: list[Stage], predicted: list[float]) -> None:
         self.predicted = {s.key: p for s, p in zip(stages, predicted)}
@@ -82,16 +87,30 @@ class Tracker:
         prior = 0.05 * self.total
         return (self.done_measured + prior) / (self.done_predicted + prior) if self.total else 1.0
 
+    def sample(self, window: float = WINDOW) -> None:
+        """Note the clocks (the heartbeat does, every second): the ETA's wall-per-CPU rate is the window's."""
+        now = (self.wall(), self.cpu())
+        self.samples.append(now)
+        while len(self.samples) > 2 and now[0] - self.samples[1][0] >= window:
+            self.samples.popleft()
+
+    def _wall_per_cpu(self) -> float | None:
+        wall, cpu = self.wall(), self.cpu()
+        if self.samples and cpu - self.samples[0][1] >= 1.0:
+            return (wall - self.samples[0][0]) / (cpu - self.samples[0][1])
+        spent = cpu - self.cpu_started
+        return (wall - self.started) / spent if spent > 0 else None
+
     def eta(self) -> float | None:
         """Wall seconds left, None before any CPU time was spent."""
-        cpu_spent = self.cpu() - self.cpu_started
-        if cpu_spent <= 0 or not self.total:
+        rate = self._wall_per_cpu()
+        if rate is None or not self.total:
             return None
         expected, spent = self._in_stage()
         ratio = self._ratio()
         # a stage past its prediction is taken to need as long again as it has overrun so far
         left = max(0.0, self.total - self.done_predicted - expected) * ratio + abs(expected * ratio - spent)
-        return left * (self.wall() - self.started) / cpu_spent
+        return left * rate
 
     def line(self, text: str) -> str:
         eta = self.eta()
@@ -113,6 +132,7 @@ class _Live:
     def _run(self) -> None:
         while not self._stop.wait(self.tick):
             with self.lock:
+                self.tracker.sample()
                 self.beat()
 
     def beat(self) -> None:

@@ -113,7 +113,7 @@ def audit(
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ) -> None:
     """Federated rounds with each defence; the server attacks the shared gradients; a privacy/utility report
-    (about 10 CPU-minutes; --quick 3, --full 80)."""
+    (about 7 CPU-minutes; --quick 3, --full 80)."""
     from ..audit import dataset as audit_data
     from ..audit.options import AuditConfig, UsageError, check_model_name, check_out, split_names
 
