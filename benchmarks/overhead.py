@@ -307,6 +307,8 @@ def main(argv: list[str] | None = None) -> Path:
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"overhead-{card}.json"
+    meta = {"card": card, "torch": torch.__version__, "warmup": warmup, "steps": steps,
+            "baseline_steps": args.baseline_steps}
     for setting in settings(args.quick):
         if args.models and setting.model not in args.models.split(","):
             continue
@@ -358,13 +360,6 @@ def main(argv: list[str] | None = None) -> Path:
                         result["time_ratio_vs_eager_none"] = result["median_s"] / base["median_s"]
                 rows.append(_row(setting, name, result))
         # Written after every setting, so a run cut short still leaves its numbers.
-        meta = {
-            "card": card,
-            "torch": torch.__version__,
-            "warmup": warmup,
-            "steps": steps,
-            "baseline_steps": args.baseline_steps,
-        }
         out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     if args.drift_steps:
         drift_setting = settings(args.quick)[0] if args.quick else Setting("gpt2", 64, 64, torch.float32, None)

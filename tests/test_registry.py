@@ -33,7 +33,7 @@ BAD = [
     ("prune--5", "PERCENT must be a number >= 0"),
     ("soteria-x", "e.g. soteria-90"),
     ("dp-sgd-c0-z1", "C must be > 0, e.g. dp-sgd-C1-z1"),
-    ("aegis-best", "use one of ['verification', 'sentences', 'paper']"),
+    ("aegis-best", "use one of ['verification', 'sentences', 'paper', 'reconstruction-delta']"),
     ("aegis-reconstruction", "was removed"),
 ]
 

@@ -128,7 +128,7 @@ def test_paper_preset_stays_at_chance(gpt2, fast_noise):
     """4 trials of 1-of-40: a chance-level attacker scores >= 2 hits with P = 0.4 %; the level variant
     ties every candidate (exactly 1/40)."""
     model, tok = gpt2
-    config = AegisConfig(preset="verification", seed=14)
+    config = AegisConfig(preset="verification", seed=14, allow_outside_promise=True)
     results = _picks(model, tok, config, secret_candidates("my pin is {}", PINS[:40]), [2, 13, 24, 35],
                      ("level", "energy", "likelihood"))
     assert results["level"].accuracy == pytest.approx(1 / 40)
