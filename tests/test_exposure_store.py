@@ -263,3 +263,20 @@ def test_ddp_ranks_count_across_ranks_and_flood_alike(tmp_path):
     first1, second1 = outcomes[1]
     assert isinstance(first0, float) and first0 == first1  # one key: the replicas stay equal
     assert second0 == second1 == "refused"  # OTHER left through rank 1; rank 0's copy of it is refused
+
+
+def test_the_write_ahead_log_stays_bounded(tmp_path):
+    """Many exports of many windows: the WAL is checkpointed into the file, never grows with the history."""
+    from aegis.exposure_store import CHECKPOINT_PAGES
+
+    path = create_state(tmp_path / "client.sqlite")
+    store = ExposureStore(str(path))
+    rng = torch.Generator().manual_seed(0)
+    per_export = 2000
+    for _ in range(40):
+        keys = torch.randint(-(2**62), 2**62, (per_export,), generator=rng).tolist()
+        assert store.reserve([set(keys)], budget=1) == 0
+    store.wait_durable()
+    wal = os.path.getsize(f"{path}-wal")
+    assert store.summary().windows == 40 * per_export
+    assert wal <= (CHECKPOINT_PAGES + per_export + 64) * 4096 * 1.1, wal

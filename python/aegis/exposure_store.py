@@ -9,8 +9,9 @@ store can never export the same text past the budget; a crash after the commit o
 Cost: O(digests of the step), independent of the history: one B-tree lookup and one upsert per digest, one
 WAL append per export (``synchronous=NORMAL``: the commit survives a crash of the process at once), then an
 ``fsync`` of the WAL on a worker thread that ``export()`` waits for (the commit survives a power loss before
-anything leaves; the wait overlaps the flood and the optimizer step), and a checkpoint every
-``CHECKPOINT_EVERY`` exports on the same worker, off the step's path.
+anything leaves; the wait overlaps the flood and the optimizer step). SQLite checkpoints the WAL into the
+file inside the commit that finds it over ``CHECKPOINT_PAGES`` (the shield decides on a worker thread, so
+this too runs beside the flood); the WAL stays bounded by that plus one export's pages.
 
 Tables: ``counts(digest INTEGER PRIMARY KEY, n)`` (the first 64 bits of the window's blake2b digest keyed by
 the salt, so the file does not let anyone without the salt test a guessed sentence; a collision can only
@@ -42,7 +43,7 @@ IN_MEMORY = ":memory:"  # exposure_state for simulations: counts live as long as
 CACHE_ENV = "AEGIS_CACHE_DIR"  # the cache folder (default: $XDG_CACHE_HOME/aegis or ~/.cache/aegis)
 FORMAT, SCHEMA_VERSION = "aegis-exposure", 2
 WINDOW = 8  # tokens per fingerprint window (aegis.exposure's counting rule): part of the store's format
-CHECKPOINT_EVERY = 16  # exports between WAL checkpoints (run on the worker thread)
+CHECKPOINT_PAGES = 4096  # WAL pages (16 MiB) past which a commit checkpoints them into the file
 _CHUNK = 900  # host parameters per IN (...) query, under SQLite's default limit of 999
 
 
@@ -146,7 +147,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=60.0)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
-    db.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints run on the worker thread (Durability)
+    db.execute(f"PRAGMA wal_autocheckpoint={CHECKPOINT_PAGES}")
     db.execute("PRAGMA cache_size=-65536")
     db.execute(f"PRAGMA mmap_size={1 << 30}")
     return db
@@ -202,30 +203,20 @@ class _Database:
         self.exports_here = 0  # reservations committed by this process
         self.identity = _identity(path)
         self.durable: Future[None] | None = None  # the fsync of the last reservation's WAL frames
-        self._since_checkpoint = 0
-        self._checkpointer: sqlite3.Connection | None = None  # the worker's own connection
 
     def committed(self) -> None:
-        """A reservation was committed (in the OS cache): make it durable, and checkpoint now and then."""
-        self._since_checkpoint += 1
-        checkpoint = self._since_checkpoint >= CHECKPOINT_EVERY
-        if checkpoint:
-            self._since_checkpoint = 0
-        self.durable = _durability().submit(self._sync, checkpoint)
+        """A reservation was committed (in the OS cache): make it durable before anything leaves."""
+        self.durable = _durability().submit(self._sync)
 
-    def _sync(self, checkpoint: bool) -> None:
+    def _sync(self) -> None:
         try:
             fd = os.open(f"{self.path}-wal", os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:  # checkpointed and removed: the frames are in the database file
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
-            os.fsync(fd)
+            os.fsync(fd)  # a checkpoint that ran in the commit also synced the file itself
         finally:
             os.close(fd)
-        if checkpoint:
-            if self._checkpointer is None:
-                self._checkpointer = _connect(self.path)
-            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def validate(self) -> dict:
         """The store's metadata, once its format is checked (a new shield on the store checks it again)."""
