@@ -52,7 +52,6 @@ import json
 import math
 import platform
 import random
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -60,7 +59,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "python"), str(ROOT), str(Path(__file__).resolve().parent)]
 
 from clients_curve_delta_attacks import (  # noqa: E402
     attack_header,

@@ -36,7 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from frontier_points import GROUPS, ROOT, TEXT_ATTACKS, Frontier, grid, mean  # also puts python/ on sys.path
+from frontier_points import GROUPS, ROOT, TEXT_ATTACKS, Frontier, grid, mean
 
 from aegis.metrics import rouge  # noqa: E402
 

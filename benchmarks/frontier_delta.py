@@ -29,7 +29,6 @@ import copy
 import json
 import math
 import platform
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -37,7 +36,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "python"), str(ROOT), str(Path(__file__).resolve().parent)]
 
 from frontier_delta_attacks import attack_leg, attention_lora_leg, noisy  # noqa: E402
 

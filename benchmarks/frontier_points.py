@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -16,7 +15,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
 
 import aegis  # noqa: E402
 from aegis import AegisConfig, ExposurePolicy, Treatment  # noqa: E402
