@@ -11,13 +11,21 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from aegis import AegisConfig, Preset, protect
 from aegis.config import FROZEN, VERIFICATION, simulated_client
-from aegis.exposure import IN_MEMORY, ExposurePolicy
+from aegis.exposure import IN_MEMORY, ExposurePolicy, create_state
 from aegis.fl import AegisMod, ClientTrainer, config_from_run_config, flower_runtime, trainable_arrays
 from aegis.fl.client import REFUSAL
 from aegis.fl.node import ReplyFloor
 from test_fl import context, global_arrays, instruction, lm_batch, must_not_train, tiny_gpt2
 
 TINY = {"model-layers": 1, "model-width": 32, "model-heads": 2}  # the app's decoder, random, small
+
+
+@pytest.fixture(autouse=True)
+def node_store(tmp_path, monkeypatch):
+    """A deployed node names its exposure store (here through its environment)."""
+    path = str(create_state(tmp_path / "node-store.sqlite"))
+    monkeypatch.setenv("AEGIS_EXPOSURE_STATE", path)
+    return path
 
 
 @pytest.fixture
@@ -129,7 +137,8 @@ def test_the_client_app_runs_the_nodes_pinned_preset_and_refuses_a_batch_outside
     unpinned = app_context({"aegis-preset": "sentences", "batch-size": 8})
     assert "'aegis-preset'" in refused_because(app(app_instruction("sentences"), unpinned), client_log)
     monkeypatch.setenv("AEGIS_PRESET", "sentences")  # the node's environment pins it too (on another machine:
-    monkeypatch.setenv("AEGIS_CACHE_DIR", str(tmp_path / "other-node"))  # this one exported the batch already)
+    other = str(create_state(tmp_path / "other-node.sqlite"))  # this one exported the batch already)
+    monkeypatch.setenv("AEGIS_EXPOSURE_STATE", other)
     assert not app(app_instruction("sentences"), app_context(unpinned.run_config, run_id=1)).has_error()
 
 
@@ -208,3 +217,25 @@ def test_the_client_app_replies_no_earlier_than_the_nodes_reply_floor(client_log
         from aegis.fl.node import reply_floor
 
         reply_floor(app_context({}, {"aegis-reply-floor": -1}))
+
+
+# -- the node's exposure store -------------------------------------------------------------------------
+def test_a_deployed_node_without_a_named_store_is_refused(client_log, monkeypatch):
+    from aegis.fl.client_app import app
+
+    monkeypatch.delenv("AEGIS_EXPOSURE_STATE")
+    reason = refused_because(app(app_instruction(), app_context({"batch-size": 8})), client_log)
+    assert "'aegis-exposure-state'" in reason and "fresh container" in reason
+
+
+def test_k_runs_against_one_node_export_one_batch_once(client_log):
+    """A server that opens k runs on one SuperNode process gets the node's batch once: every run's shield
+    decides on the node's one store."""
+    from aegis.fl.client_app import app
+
+    pinned = {"aegis-preset": "sentences"}
+    replies = [app(app_instruction("sentences"), app_context({"aegis-preset": "sentences", "batch-size": 8}, pinned,
+                                                             run_id=run)) for run in range(3)]
+    assert not replies[0].has_error()
+    for reply in replies[1:]:
+        assert "exposure budget" in refused_because(reply, client_log)

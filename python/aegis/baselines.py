@@ -419,6 +419,8 @@ def make_defence(spec: str | DefenceSpec) -> Defence:
     norm, z = noise multiplier). A name of no defence raises :class:`~aegis.errors.UsageError`."""
     parsed = parse_defence(spec) if isinstance(spec, str) else spec
     core = core_defence(parsed)
+    if isinstance(core, Aegis):  # a study measures presets at every batch size, inside their promise or not
+        core.config = core.config.replace(allow_outside_promise=True)
     if core is not None:
         return core
     if parsed.kind is DefenceKind.DP_NOISE and parsed.sigma is not None:

@@ -118,8 +118,7 @@ class Aegis(Defence):
 
     def __init__(self, config: AegisConfig | None = None) -> None:
         super().__init__()
-        # a study measures presets at every batch size, inside their promise or not (the audit says which)
-        self.config = (config or AegisConfig()).replace(allow_outside_promise=True)
+        self.config = config or AegisConfig()
         self.name = f"aegis-{self.config.preset.value}" if isinstance(self.config.preset, Preset) else "aegis"
         self.shield: Shield | None = None
 

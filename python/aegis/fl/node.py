@@ -40,6 +40,7 @@ from ..config import AegisConfig, simulated_client
 PRESET_KEY, PRESET_ENV = "aegis-preset", "AEGIS_PRESET"
 MAX_RUNS_KEY, MAX_RUNS_ENV, MAX_RUNS = "aegis-max-runs", "AEGIS_MAX_RUNS", 4
 REPLY_FLOOR_KEY, REPLY_FLOOR_ENV = "aegis-reply-floor", "AEGIS_REPLY_FLOOR"
+STORE_KEY, STORE_ENV = "aegis-exposure-state", "AEGIS_EXPOSURE_STATE"  # a deployed node's exposure store
 # Loaded only where Flower's simulation runtime runs ClientApps: the Ray actors and the simulation process.
 SIMULATION_MODULES = ("flwr.simulation.ray_transport.ray_actor", "flwr.server.superlink.fleet.vce.vce_api")
 
@@ -69,13 +70,21 @@ def setting(context: Context, key: str, env: str, default: Any) -> Any:
 
 def node_floor(context: Context) -> AegisConfig:
     """This node's own AEGIS configuration, the floor of every run: its pinned preset (default
-    "verification"); a simulated client counts its exposures per run."""
+    "verification") and, on the deployment engine, the exposure store it names (a default store would start
+    over in every fresh container); a simulated client counts its exposures per run."""
     preset = setting(context, PRESET_KEY, PRESET_ENV, None)
     try:
         config = AegisConfig() if preset is None else AegisConfig(preset=str(preset))
     except ValueError as err:
         raise ValueError(f"node config '{PRESET_KEY}' / ${PRESET_ENV} = {preset!r}: {err}") from None
-    return simulated_client(config) if simulated() else config
+    if simulated():
+        return simulated_client(config)
+    store = setting(context, STORE_KEY, STORE_ENV, None)
+    if not store:
+        raise ValueError(f"a deployed node names its exposure store: node config '{STORE_KEY}' (or ${STORE_ENV}) = "
+                         "the path of a store made once with aegis.exposure.create_state(PATH) and kept across "
+                         "restarts; the default store would restart every count in a fresh container")
+    return config.replace(exposure_state=str(store))
 
 
 def max_runs(context: Context) -> int:
