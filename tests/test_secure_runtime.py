@@ -23,6 +23,7 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.server.workflow import SecAggPlusWorkflow
 
+from aegis.exposure import create_state
 from aegis.fl.grid import flower_runtime
 from aegis.fl.secure import REFUSAL as GUARD_REFUSAL
 from aegis.fl.secure import SurvivorPin
@@ -348,7 +349,9 @@ def test_secure_rounds_on_the_deployment_engine(tmp_path):
         peers = ",".join(map(str, ids))  # the allow-list: node ids the SuperLink authenticates
         supernodes = []
         for i, (private, _) in enumerate(keys):
-            config = f'partition-id={i} num-partitions={nodes} aegis-min-survivors=3 aegis-peers="{peers}"'
+            store = create_state(tmp_path / f"node{i}-exposure.sqlite")  # a deployed node names its store
+            config = (f'partition-id={i} num-partitions={nodes} aegis-min-survivors=3 aegis-peers="{peers}" '
+                      f'aegis-exposure-state="{store}"')
             supernodes.append(start(f"supernode{i}", "flower-supernode", "--root-certificates", str(ca),
                                     "--superlink", f"127.0.0.1:{port}", "--auth-supernode-private-key", str(private),
                                     "--port", str(_free_port()), "--node-config", config))
