@@ -16,6 +16,7 @@ from aegis import ExposurePolicy
 from aegis.exposure import IN_MEMORY, WINDOW, create_state, default_state_path
 from aegis.exposure_store import ExposureStore, digest_key, migrate, reset_state
 from families import build
+from test_exposure_holes import backward, export
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:AegisConfig\(seed=")
 
@@ -29,17 +30,6 @@ def protected(state, budget=1, optimizer=False, policy=ExposurePolicy.REFUSE):
     opt = torch.optim.SGD(model.parameters(), lr=1e-2) if optimizer else None
     config = aegis.AegisConfig(seed=3, exposure_budget=budget, exposure=policy, exposure_state=state)
     return model, opt, aegis.protect(model, opt, config=config)
-
-
-def backward(model, ids, mask=None):
-    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
-
-
-def export(model, shield, ids, mask=None):
-    model.zero_grad(set_to_none=True)
-    backward(model, ids, mask)
-    shield.mask_()
-    return shield.export()
 
 
 # -- two shields, two processes, one store --------------------------------------------------------------

@@ -36,7 +36,7 @@ import enum
 import hashlib
 import os
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ from .exposure_store import (  # noqa: F401  (the public names of the store, re-
     IN_MEMORY,
     WINDOW,
     ExposureStore,
+    Worker,
     create_state,
     default_state_path,
     digest_key,
@@ -137,22 +138,7 @@ class _Counting:
         return digest_key(h.digest())
 
 
-_WORKER: ThreadPoolExecutor | None = None
-
-
-def _worker() -> ThreadPoolExecutor:
-    global _WORKER
-    if _WORKER is None:
-        _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aegis-exposure")
-    return _WORKER
-
-
-def _forget_worker_after_fork() -> None:
-    global _WORKER
-    _WORKER = None  # a forked child has none of the parent's threads
-
-
-os.register_at_fork(after_in_child=_forget_worker_after_fork)
+_WORKER = Worker("aegis-exposure")  # hashes each forward's rows during the backward, then decides, in order
 
 
 class _Pending:
@@ -160,7 +146,7 @@ class _Pending:
 
     def __init__(self, counting: _Counting, copy: _HostCopy):
         self.counting, self.copy, self.pid = counting, copy, os.getpid()
-        self.future: Future[Rows] = _worker().submit(counting.rows, copy)
+        self.future: Future[Rows] = _WORKER.submit(counting.rows, copy)
 
     def rows(self) -> Rows:
         return self.future.result() if self.pid == os.getpid() else self.counting.rows(self.copy)
@@ -328,7 +314,7 @@ class ExposureTracker:
             done.set_result(self.decide())
             return done
         pending, budget = list(self._pending), self.budget
-        return _worker().submit(lambda: store.reserve([row for p in pending for row in p.rows()], budget))
+        return _WORKER.submit(lambda: store.reserve([row for p in pending for row in p.rows()], budget))
 
     def refuse(self, over: int, grads: list[Tensor | None]) -> RuntimeError:
         """The step was refused: it stays refused until these gradients are dropped (not merely changed).

@@ -32,12 +32,14 @@ import secrets
 import sqlite3
 import stat
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 log = logging.getLogger("aegis.exposure")
+T = TypeVar("T")
 
 IN_MEMORY = ":memory:"  # exposure_state for simulations: counts live as long as the shield
 CACHE_ENV = "AEGIS_CACHE_DIR"  # the cache folder (default: $XDG_CACHE_HOME/aegis or ~/.cache/aegis)
@@ -206,7 +208,7 @@ class _Database:
 
     def committed(self) -> None:
         """A reservation was committed (in the OS cache): make it durable before anything leaves."""
-        self.durable = _durability().submit(self._sync)
+        self.durable = _DURABILITY.submit(self._sync)
 
     def _sync(self) -> None:
         try:
@@ -267,24 +269,26 @@ def _identity(path: Path) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
+class Worker:
+    """One thread, started on first use and forgotten in a forked child (which has none of the parent's)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+        os.register_at_fork(after_in_child=self._forget)
+
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
+        return self._pool.submit(fn, *args)
+
+    def _forget(self) -> None:
+        self._pool = None
+
+
 _SHARED: dict[Path, _Database] = {}
 _SHARED_LOCK = threading.Lock()
-_DURABILITY: ThreadPoolExecutor | None = None
-
-
-def _durability() -> ThreadPoolExecutor:
-    global _DURABILITY
-    if _DURABILITY is None:
-        _DURABILITY = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aegis-exposure-sync")
-    return _DURABILITY
-
-
-def _forget_threads_after_fork() -> None:
-    global _DURABILITY
-    _DURABILITY = None  # a forked child has none of the parent's threads
-
-
-os.register_at_fork(after_in_child=_forget_threads_after_fork)
+_DURABILITY = Worker("aegis-exposure-sync")  # the WAL's fsync before an export leaves
 
 
 def _database(path: Path) -> _Database:
