@@ -77,6 +77,15 @@ def test_no_preset_warning_for_a_preset_the_user_did_not_choose():
     assert "warning" not in result.output.lower() and "paper" not in result.stderr
 
 
+def test_an_audit_of_the_papers_row_says_it_in_the_verdict_not_in_warnings(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = runner.invoke(app, ["audit", "--quick", "--out", str(tmp_path), "--defences", "aegis-paper-batch",
+                                     "--attacks", "embedding_norm", "--rounds", "1", "--clients", "1"])
+    assert result.exit_code == 0, result.output
+    assert not [w for w in caught if "preset 'paper'" in str(w.message)]
+
+
 def test_a_mistyped_command_is_suggested_once_and_a_bare_group_shows_its_help():
     result = runner.invoke(app, ["inspct"])
     assert result.exit_code == 2

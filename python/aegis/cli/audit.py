@@ -85,7 +85,8 @@ def audit(
     defences: str | None = typer.Option(
         None,
         help=f"comma-separated defence names (default: {choices(DEFENCES)}; --quick, --full: theirs above); others "
-        "such as dp-noise-0.05, or aegis-sentences with --batch-size 8, the batch its promise is stated for",
+        "such as dp-noise-0.05, or aegis-sentences with --batch-size 8, the batch its promise is stated for (its "
+        "spectral search alone runs past 15 CPU-minutes there)",
     ),
     attacks: str | None = typer.Option(
         None, help=f"comma-separated, from: {choices(ATTACKS)} (default: {choices(DEFAULT_ATTACKS)})"
