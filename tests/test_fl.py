@@ -160,8 +160,9 @@ def test_mod_refuses_arrays_changed_after_masking():
 
 
 def test_mod_refuses_masking_with_a_configuration_other_than_the_run_config():
-    own = lambda msg, ctx: _masked_reply(msg, AegisConfig(preset="sentences"))  # noqa: E731
-    mod = AegisMod(AegisConfig(preset="sentences"))  # the run config tightens it to verification
+    mine = AegisConfig(preset="sentences", allow_outside_promise=True)  # the test's batch is 3
+    own = lambda msg, ctx: _masked_reply(msg, mine)  # noqa: E731
+    mod = AegisMod(mine)  # the run config tightens it to verification
     reason = _error_reason(mod(instruction(global_arrays()), context({"aegis-preset": "verification"}), own))
     assert "configuration other than" in reason
 

@@ -62,6 +62,11 @@ def test_a_secure_run_takes_a_stricter_preset_and_states_its_epsilon(monkeypatch
 def test_simulated_clients_count_in_memory_and_real_ones_on_disk(monkeypatch):
     monkeypatch.delenv("AEGIS_PRESET", raising=False)
     ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
-    assert not simulated() and node_floor(ctx).exposure_state is None
+    assert not simulated()
+    with pytest.raises(ValueError, match="'aegis-exposure-state'"):
+        node_floor(ctx)  # a deployed node names its store
+    store = Context(run_id=1, node_id=1, node_config={"aegis-exposure-state": "/srv/node.sqlite"}, state=RecordDict(),
+                    run_config={})
+    assert node_floor(store).exposure_state == "/srv/node.sqlite"
     monkeypatch.setitem(sys.modules, SIMULATION_MODULES[0], types.ModuleType(SIMULATION_MODULES[0]))
     assert simulated() and node_floor(ctx).exposure_state == IN_MEMORY

@@ -102,7 +102,7 @@ def test_an_unpinned_node_refuses_a_secure_run(monkeypatch):
         simulate(3, {"secure": True, "min-survivors": 2, "num-server-rounds": 1, **TINY})
 
 
-def test_a_pinned_node_answers_no_plain_round(monkeypatch):
+def test_a_pinned_node_answers_no_plain_round(monkeypatch, tmp_path):
     from aegis.fl.client_app import app
 
     monkeypatch.delenv(PIN_ENV, raising=False)
@@ -110,8 +110,9 @@ def test_a_pinned_node_answers_no_plain_round(monkeypatch):
     with flower_runtime():
         plain = Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), 1000, MessageType.TRAIN)
     run_config = {**TINY}  # the server does not ask for a secure round ...
-    ctx = Context(run_id=0, node_id=1000, node_config={"aegis-min-survivors": 3}, state=RecordDict(),
-                  run_config=run_config)
+    store = str(create_state(tmp_path / "node.sqlite"))
+    ctx = Context(run_id=0, node_id=1000, node_config={"aegis-min-survivors": 3, "aegis-exposure-state": store},
+                  state=RecordDict(), run_config=run_config)
     reply = app(plain, ctx)  # ... but this node pins its survivors: SecAgg+ or nothing
     assert reply.has_error() and reply.error.reason == GUARD_REFUSAL
 

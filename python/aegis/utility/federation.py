@@ -45,10 +45,10 @@ def make_defence(name: str | AegisConfig, exposure: ExposurePolicy = ExposurePol
     # a candidate configuration (aegis calibrate) or a name; simulated clients keep their exposure counts
     # for the run, never in the user's cache
     if isinstance(name, AegisConfig):
-        return Aegis(name.replace(exposure=exposure, exposure_state=IN_MEMORY))
+        return Aegis(name.replace(exposure=exposure, exposure_state=IN_MEMORY, allow_outside_promise=True))
     spec = parse_defence(name, "--defences")
     if spec.aegis is not None:
-        return Aegis(spec.aegis.replace(exposure=exposure, exposure_state=IN_MEMORY))
+        return Aegis(spec.aegis.replace(exposure=exposure, exposure_state=IN_MEMORY, allow_outside_promise=True))
     return make_baseline(spec)
 
 

@@ -39,7 +39,8 @@ def shortcut_sum(model: nn.Module, batches: Sequence[Batch], config: AegisConfig
     (exactly, where no clip or row threshold binds): ``rho clip_N(N G) + sigma sqrt(N / t) Z``."""
     n = len(batches)
     local = copy.deepcopy(model)
-    shield = protect(local, None, config.replace(exposure=ExposurePolicy.OFF))  # a simulation, not an export
+    # a simulation, not an export: one shield stands for every client, each of whose batches the promise covers
+    shield = protect(local, None, config.replace(exposure=ExposurePolicy.OFF, allow_outside_promise=True))
     for p in local.parameters():
         p.grad = None
     loss_fn(local, concat(batches)).backward()
