@@ -479,7 +479,11 @@ class AegisConfig:
                              "or AegisConfig(allow_outside_promise=True) to export outside it")
 
     def replace(self, **changes) -> AegisConfig:
-        return dataclasses.replace(self, **changes)
+        if "preset" in changes:
+            return dataclasses.replace(self, **changes)
+        with warnings.catch_warnings():  # the preset's warning was given when this configuration was made
+            warnings.filterwarnings("ignore", message="preset 'paper'")
+            return dataclasses.replace(self, **changes)
 
 
 def simulated_client(config: AegisConfig) -> AegisConfig:

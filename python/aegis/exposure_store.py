@@ -96,7 +96,11 @@ def _check_location(path: Path) -> None:
 def create_state(path: str | os.PathLike) -> Path:
     """Write a new, empty exposure store (fresh salt and id) at ``path``; refuses to overwrite one."""
     path = Path(path)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(f"exposure state {path}: its folder cannot be made ({err.strerror}): set {CACHE_ENV} to a "
+                      "writable folder of yours, or name a store with AegisConfig(exposure_state=PATH)") from None
     _check_owned(path.parent, "folder")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
