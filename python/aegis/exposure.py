@@ -142,14 +142,23 @@ _WORKER = Worker("aegis-exposure")  # hashes each forward's rows during the back
 
 
 class _Pending:
-    """One forward's rows, hashed on the worker; recomputed here in a forked child (no worker there)."""
+    """One forward's rows, hashed on the worker once a backward starts (a forward no backward follows costs
+    its copy only); recomputed here in a forked child (no worker there)."""
 
     def __init__(self, counting: _Counting, copy: _HostCopy):
         self.counting, self.copy, self.pid = counting, copy, os.getpid()
-        self.future: Future[Rows] = _WORKER.submit(counting.rows, copy)
+        self.future: Future[Rows] | None = None
+
+    def start(self) -> None:
+        if self.future is None and self.pid == os.getpid():
+            self.future = _WORKER.submit(self.counting.rows, self.copy)
 
     def rows(self) -> Rows:
-        return self.future.result() if self.pid == os.getpid() else self.counting.rows(self.copy)
+        if self.pid != os.getpid():
+            return self.counting.rows(self.copy)
+        self.start()
+        assert self.future is not None
+        return self.future.result()
 
 
 class ExposureTracker:
@@ -212,6 +221,9 @@ class ExposureTracker:
             self.discard()
 
     def note_backward(self) -> None:
+        if not self._backward_seen:
+            for pending in self._pending:  # the step's forwards are in: hash them while the backward runs
+                pending.start()
         self._backward_seen = True
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -244,6 +256,8 @@ class ExposureTracker:
         if self._counting is not None:
             copy = _HostCopy(flat, None if mask is None else mask.detach().reshape(flat.shape))
             self._pending.append(_Pending(self._counting, copy))
+            if self._backward_seen:  # accumulating: a backward of this step already ran
+                self._pending[-1].start()
 
     def track(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> None:
         """The ids of a step whose forward received embeddings (``inputs_embeds``), given by the user."""
@@ -314,6 +328,8 @@ class ExposureTracker:
             done.set_result(self.decide())
             return done
         pending, budget = list(self._pending), self.budget
+        for p in pending:  # queued before the decision on the one worker, so the decision never waits on itself
+            p.start()
         return _WORKER.submit(lambda: store.reserve([row for p in pending for row in p.rows()], budget))
 
     def refuse(self, over: int, grads: list[Tensor | None]) -> RuntimeError:
