@@ -268,13 +268,13 @@ class ExposureTracker:
         self._add(input_ids, attention_mask)
         self._untracked = 0
 
-    def paused(self) -> _Pause:
+    def paused(self) -> _Nested:
         """Forwards inside this context (the public calibration's) are not the client's examples."""
-        return _Pause(self)
+        return _Nested(self, "_paused")
 
-    def hold(self) -> _Hold:
+    def hold(self) -> _Nested:
         """Inside this context the pending examples survive ``zero_grad`` (a round's local steps)."""
-        return _Hold(self)
+        return _Nested(self, "_held")
 
     # -- the decision ----------------------------------------------------------------------
     @property
@@ -392,24 +392,15 @@ class _HostCopy:
         return self.tensors[0], self.tensors[1] if self.has_mask else None
 
 
-class _Pause:
-    def __init__(self, tracker: ExposureTracker):
-        self.tracker = tracker
+
+class _Nested:
+    """A context that raises one of the tracker's counters while it is open (re-entrant)."""
+
+    def __init__(self, tracker: ExposureTracker, counter: str):
+        self.tracker, self.counter = tracker, counter
 
     def __enter__(self) -> None:
-        self.tracker._paused += 1
+        setattr(self.tracker, self.counter, getattr(self.tracker, self.counter) + 1)
 
     def __exit__(self, *exc) -> None:
-        self.tracker._paused -= 1
-
-
-class _Hold:
-    def __init__(self, tracker: ExposureTracker):
-        self.tracker = tracker
-
-    def __enter__(self) -> None:
-        self.tracker._held += 1
-
-    def __exit__(self, *exc) -> None:
-        self.tracker._held -= 1
-
+        setattr(self.tracker, self.counter, getattr(self.tracker, self.counter) - 1)
