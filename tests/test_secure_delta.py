@@ -234,10 +234,13 @@ def test_scale_recipe_sets_each_tensor_cap_so_the_user_level_z_is_the_target():
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert len(table) == 6 and user_noise_multiplier(table, shapes) == pytest.approx(2.5, rel=1e-5)
     assert config.exposures == VERIFICATION_AT_SCALE.rounds  # a user's examples may be in every round
-    recipe = dataclasses.replace(VERIFICATION_AT_SCALE, rounds=4)
+    recipe = dataclasses.replace(VERIFICATION_AT_SCALE, rounds=4, min_noise_multiplier=None)
     z = recipe.noise_multiplier(100, 100)  # q = 1: the exact composition of 4 rounds
     assert user_privacy(z, rounds=4).epsilon <= 8.0 < user_privacy(z / 1.02, rounds=4).epsilon
     assert dataclasses.replace(recipe, min_noise_multiplier=50.0).noise_multiplier(100, 100) == 50.0
+    # the shipped recipe: its measured verification floor sets z at N* (epsilon 8 alone would give z ~0.6)
+    assert VERIFICATION_AT_SCALE.noise_multiplier(1000, 13830) == pytest.approx(math.sqrt(2))
+    assert VERIFICATION_AT_SCALE.noise_multiplier(10000, 13830) > math.sqrt(2)
     assert recipe.config(2.5, 6).treatments["mlp_lora"].snr == pytest.approx(1 / (2.5 * math.sqrt(6)))
     with pytest.raises(ValueError, match="z=0"):
         ScaleRecipe("x", 8.0, 4, 1, 4, 8, 1e-3, 1.0).config(0.0, 6)
