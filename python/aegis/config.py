@@ -207,7 +207,7 @@ VERIFICATION: Mapping[str, Treatment] = MappingProxyType(
 # Every other tensor is a matrix flood at a signal of SENTENCES_SNR times the per-entry noise: an MLP
 # matrix (~10^6 entries) trains from it. Measured on SmolLM2-135M at B = 8, one export (NVIDIA H200,
 # benchmarks/results/frontier-h200-smollm2.json): DAGER, mlp_span and embedding_norm at their nulls, but
-# `spectral` recovers 31 % of a batch's distinct tokens (ROUGE-1 0.14; 9 % at snr 300) and candidate
+# `spectral` recovers 31 % of a batch's distinct tokens (ROUGE-1 0.14; 10 % at snr 300) and candidate
 # verification reads 1.00, so it does not stop reconstruction as a whole.
 SENTENCES_SNR = 1000.0
 SENTENCES_BATCH = 8

