@@ -25,7 +25,8 @@ skips what would start after it.
         --keep benchmarks/results/frontier-delta-cpu-smollm2.json --out benchmarks/results     # the CPU share
 
 ``--keep JSON`` starts from an earlier run's rows and replaces only the rows of the legs (and, in the attack
-leg, the attacks) run now, so one result file gathers a grid run in several calls.
+leg, the attacks) run now, so one result file gathers a grid run in several calls. ``--attack-cap`` bounds
+each attack (with its null); one past it is recorded as not measured.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from frontier_delta_attacks import attack_leg, attention_lora_leg, noisy  # noqa: E402
+from frontier_delta_attacks import attack_cells, attack_leg, attention_lora_leg, noisy  # noqa: E402
 
 from aegis.config import FROZEN, ROLES, AegisConfig, ExportMode, Treatment  # noqa: E402
 from aegis.data.corpora import PUBLIC_FALLBACK  # noqa: E402
@@ -80,6 +81,7 @@ class Bench:
             self.public = list(PUBLIC_FALLBACK)
             self.validation = [e.text for e in load_corpus("validation")][: args.validation]
         self.shields: dict = {}
+        self.earlier: dict = {}  # --keep: attack cells of an earlier run
 
     def clients(self, d: int, count: int) -> list[list[str]]:
         return self._clients(d, count)
@@ -284,6 +286,10 @@ def main(argv=None) -> dict:
     p.add_argument("--legs", default="utility,attention,attack", help="comma-separated: utility, attention, attack")
     p.add_argument("--attack-s", default="3000,1000,300", help="the attacked caps S (besides S = inf)")
     p.add_argument("--attack-d", default="8,32", help="the attacked client sizes D")
+    p.add_argument("--skip-controls", action="store_true", help="attack only the flooded cells (S < inf); with "
+                   "--keep, the controls of the earlier run stay")
+    p.add_argument("--attack-cap", type=float, default=0.0, help="seconds per attack and its null (0: none); "
+                   "an attack past it is recorded as not measured")
     p.add_argument("--keep", type=Path, help="an earlier result JSON whose rows this run extends (module docstring)")
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
     p.add_argument("--budget-s", type=float, default=460.0, help="cells that would start later are skipped")
@@ -328,8 +334,13 @@ def main(argv=None) -> dict:
     legs = args.legs.split(",")
     if args.keep:
         earlier = json.loads(args.keep.read_text())
-        bench.rows.extend(r for r in earlier["rows"] if _leg(r) not in legs)
-        result["kept"] = f"{args.keep.name}: the rows of legs not run now, elapsed {earlier.get('elapsed_s')} s"
+        now = set(attack_cells(args)) if "attack" in legs else set()
+        bench.earlier = {_cell(r): r for r in earlier["rows"] if r["leg"] == "attack"}
+        bench.rows.extend(r for r in earlier["rows"]
+                          if _leg(r) not in legs or (r["leg"] == "attack" and _cell(r) not in now))
+        result["kept"] = (f"{args.keep.name}: the rows of legs and attack cells not run now and, per cell run now, "
+                          f"the attacks not run now (that run: {earlier.get('elapsed_s')} s, "
+                          f"card {earlier.get('card')})")
     if "utility" in legs:
         bench.utility_leg(save)
     if "attention" in legs:
@@ -340,6 +351,10 @@ def main(argv=None) -> dict:
     save()
     plot(result, args.out / f"{stem}.png")
     return result
+
+
+def _cell(row: dict) -> tuple:
+    return row["D"], row["variant"], row["S"], row["optimizer"]
 
 
 def _leg(row: dict) -> str:

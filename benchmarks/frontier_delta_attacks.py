@@ -17,8 +17,10 @@ the public noise level; null 1/N.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import signal
 import time
 import traceback
 
@@ -54,6 +56,28 @@ def run_attack(name, model, grads, tok, texts, args, public=None):
     return SPAN_ATTACKS[name](model, grads, tok, b, **kw)
 
 
+class Capped(Exception):
+    """An attack (with its null) ran past ``--attack-cap`` seconds."""
+
+
+@contextlib.contextmanager
+def capped(seconds: float):
+    """Raise :class:`Capped` in the main thread after ``seconds`` (0: no cap)."""
+    def stop(*_):
+        raise Capped
+
+    if not seconds:
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def attack_cell(bench, cell: dict, texts: list[str], save) -> None:
     """Every attack on ``cell['grads']`` and its null, each recorded (or its error) as it finishes."""
     results = cell["row"].setdefault("attacks", {})
@@ -68,13 +92,16 @@ def attack_cell(bench, cell: dict, texts: list[str], save) -> None:
             model, grads = cell["model"], cell["grads"]
             if name == "tag":
                 model, grads = cell["tag_model"], cell["tag_grads"]
-            preds = run_attack(name, model, grads, bench.tok, texts, bench.args, cell.get("public"))
-            nulls = run_attack(name, model, null_gradient(grads, bench.args.seed), bench.tok, texts, bench.args,
-                               cell.get("public"))
+            with capped(bench.args.attack_cap):
+                preds = run_attack(name, model, grads, bench.tok, texts, bench.args, cell.get("public"))
+                nulls = run_attack(name, model, null_gradient(grads, bench.args.seed), bench.tok, texts, bench.args,
+                                   cell.get("public"))
             results[name] = {"predictions": preds, "null_predictions": nulls,
                              "token_recall": token_recall(preds, texts, bench.tok),
                              "null_token_recall": token_recall(nulls, texts, bench.tok),
                              "seconds": round(time.perf_counter() - t0, 1)}
+        except Capped:
+            results[name] = {"timed_out_s": bench.args.attack_cap, "note": "not measured: over --attack-cap"}
         except Exception as err:  # one failing attack must not end the run
             results[name] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-1500:]}
         save()
@@ -111,40 +138,52 @@ def verification(bench, variant: str, texts: list[str], s_values, save, row: dic
     save()
 
 
-def attack_leg(bench, save) -> None:
-    """Cells in priority order (a run cut short keeps the first): per D, the positive controls, then every
-    variant at every attacked S."""
-    args = bench.args
+def attack_cells(args) -> list[tuple[int, str, float, str]]:
+    """(D, variant, S, optimizer) in priority order (a run cut short keeps the first): per D, the positive
+    controls, then every variant at every attacked S."""
+    cells = []
     for d in args.attack_d:
+        if not args.skip_controls:
+            cells += [(d, "full-mlp", math.inf, "adamw"), (d, "full-mlp", math.inf, "sgd"),
+                      (d, "lora-mlp", math.inf, "adamw")]
+        cells += [(d, v, s, "adamw") for s in args.attack_s for v in ("lora-mlp", "full-mlp")]
+    return cells
+
+
+def attack_leg(bench, save) -> None:
+    """Every cell of :func:`attack_cells`: the client's delta, each attack beside its null."""
+    args = bench.args
+    for d, variant, s, optimizer in attack_cells(args):
         texts = bench.clients(d, 1)[0]
-        cells = [("full-mlp", math.inf, "adamw"), ("full-mlp", math.inf, "sgd"), ("lora-mlp", math.inf, "adamw")]
-        cells += [(v, s, "adamw") for s in args.attack_s for v in ("lora-mlp", "full-mlp")]
-        for variant, s, optimizer in cells:
-            row = {"leg": "attack", "D": d, "variant": variant, "S": s, "optimizer": optimizer, "E": 1,
-                   "references": texts}
-            bench.rows.append(row)
-            if bench.out_of_time():
-                row["skipped"] = "time budget"
-                save()
-                continue
-            try:
-                out = bench.client_delta(variant, texts, epochs=1, optimizer=optimizer)
-                sigmas = out["sigma"](s)
-                gen = torch.Generator(device=bench.device).manual_seed(args.seed + d)
-                export = noisy(out["clipped"], sigmas, gen)
-                lr = bench.lr(variant, optimizer)
-                view = span_view(export)
-                public = {n2: (1.0, sigmas[n1], 0.0, 0.0) for n1, n2 in zip(export, _plain(export)) if n1 in sigmas}
-                cell = {"row": row, "model": bench.base, "grads": view, "public": public if math.isfinite(s) else None,
-                        "tag_model": out["model"], "tag_grads": pseudo_gradient(export, lr)}
-                attack_cell(bench, cell, texts, save)
-                if "verification" in args.attacks and optimizer == "adamw" and not math.isfinite(s) and d == min(
-                        args.attack_d):
-                    verification(bench, variant, texts, [math.inf, *args.s], save, row)
-            except Exception as err:
-                row["error"] = f"{type(err).__name__}: {err}"
-                row["trace"] = traceback.format_exc()[-1500:]
+        row = {"leg": "attack", "D": d, "variant": variant, "S": s, "optimizer": optimizer, "E": 1,
+               "references": texts}
+        earlier = bench.earlier.get((d, variant, s, optimizer), {})  # --keep: what this run does not redo
+        row["attacks"] = {k: v for k, v in earlier.get("attacks", {}).items() if k not in args.attacks}
+        if "verification" in earlier and "verification" not in args.attacks:
+            row["verification"] = earlier["verification"]
+        bench.rows.append(row)
+        if bench.out_of_time():
+            row["skipped"] = "time budget"
             save()
+            continue
+        try:
+            out = bench.client_delta(variant, texts, epochs=1, optimizer=optimizer)
+            sigmas = out["sigma"](s)
+            gen = torch.Generator(device=bench.device).manual_seed(args.seed + d)
+            export = noisy(out["clipped"], sigmas, gen)
+            lr = bench.lr(variant, optimizer)
+            view = span_view(export)
+            public = {n2: (1.0, sigmas[n1], 0.0, 0.0) for n1, n2 in zip(export, _plain(export)) if n1 in sigmas}
+            cell = {"row": row, "model": bench.base, "grads": view, "public": public if math.isfinite(s) else None,
+                    "tag_model": out["model"], "tag_grads": pseudo_gradient(export, lr)}
+            attack_cell(bench, cell, texts, save)
+            if "verification" in args.attacks and optimizer == "adamw" and not math.isfinite(s) and d == min(
+                    args.attack_d):
+                verification(bench, variant, texts, [math.inf, *args.s], save, row)
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {err}"
+            row["trace"] = traceback.format_exc()[-1500:]
+        save()
 
 
 def _plain(delta: dict) -> list[str]:
