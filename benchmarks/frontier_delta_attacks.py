@@ -6,7 +6,8 @@ adapters at a later round's state: B non-zero) at each rank of ``--attn-ranks``;
 most 3 r inputs, so a rank whose 3 r is below the round's tokens reads at its null and rank 256 is the
 positive control.
 
-Per D: the client's delta under each variant (full MLP, LoRA r on the MLP) at each attacked S, the clean
+Per D: the client's delta under each variant (full MLP with AdamW and with SGD, LoRA r on the MLP with AdamW)
+at each attacked S, the clean
 deltas (S = inf) as positive controls (the full-MLP one at D = 8 must leak for a null elsewhere to mean
 anything; one SGD step on it is the gradient itself up to fp32 rounding, ``sgd`` in the row), and for each
 the null: the same attack on a random tensor of the delta's per-tensor norms. The span attacks read a LoRA
@@ -140,13 +141,15 @@ def verification(bench, variant: str, texts: list[str], s_values, save, row: dic
 
 def attack_cells(args) -> list[tuple[int, str, float, str]]:
     """(D, variant, S, optimizer) in priority order (a run cut short keeps the first): per D, the positive
-    controls, then every variant at every attacked S."""
+    controls, then at every attacked S the LoRA and full-MLP AdamW deltas and the full-MLP SGD delta (at D = B
+    one SGD step: the flooded gradient itself, the worst case)."""
     cells = []
     for d in args.attack_d:
         if not args.skip_controls:
             cells += [(d, "full-mlp", math.inf, "adamw"), (d, "full-mlp", math.inf, "sgd"),
                       (d, "lora-mlp", math.inf, "adamw")]
-        cells += [(d, v, s, "adamw") for s in args.attack_s for v in ("lora-mlp", "full-mlp")]
+        flooded = [("lora-mlp", "adamw"), ("full-mlp", "adamw"), ("full-mlp", "sgd")]  # sgd: one step is the gradient
+        cells += [(d, v, s, opt) for s in args.attack_s for v, opt in flooded]
     return cells
 
 
