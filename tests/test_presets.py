@@ -11,6 +11,7 @@ from aegis.audit.records import THREATS, AttackRecord, AuditReport, report_from_
 from aegis.baselines import make_defence
 from aegis.cli import app
 from aegis.config import (
+    RECONSTRUCTION_DELTA_SENTENCES,
     SENTENCES_BATCH,
     SENTENCES_SNR,
     VERIFICATION_MAX_BATCH,
@@ -44,7 +45,7 @@ def test_presets_are_one_enum_and_accept_their_values():
 def test_the_utility_preset_is_gone_and_the_error_names_the_replacement():
     with pytest.raises(ValueError, match=r"preset='utility' was removed: it did not train; use 'sentences'"):
         AegisConfig(preset="utility")
-    with pytest.raises(ValueError, match=r"preset='reconstruction' was removed: no measured setting both trains"):
+    with pytest.raises(ValueError, match=r"preset='reconstruction' was removed: .*use 'reconstruction-delta'"):
         AegisConfig(preset="reconstruction")
     with pytest.raises(ValueError, match=r"preset='papr' is unknown: use one of \['verification'"):
         AegisConfig(preset="papr")
@@ -180,10 +181,15 @@ def test_recommend_picks_from_the_promises():
     small = recommend(Threat.SENTENCES, SENTENCES_BATCH - 1)
     assert small.preset is Preset.VERIFICATION
     assert any(f"below the batch {SENTENCES_BATCH}" in line for line in small.why)
-    # no preset that trains stops reconstruction as a whole: the recommendation says so
-    whole = recommend("reconstruction", SENTENCES_BATCH)
-    assert whole.preset is Preset.VERIFICATION
-    assert any("No preset that trains stops reconstruction; sentences trains" in line for line in whole.why)
+    # reconstruction as a whole: the delta-mode preset trains and stops it from 8 sentences a round; below
+    # that only verification covers it, and the recommendation names what training would need
+    whole = recommend("reconstruction", RECONSTRUCTION_DELTA_SENTENCES)
+    assert whole.preset is Preset.RECONSTRUCTION_DELTA and Preset.RECONSTRUCTION_DELTA.promise.cost in whole.why[1]
+    assert whole.why[0].startswith("reconstruction-delta: delta mode")
+    fewer = recommend("reconstruction", RECONSTRUCTION_DELTA_SENTENCES - 1)
+    assert fewer.preset is Preset.VERIFICATION
+    assert any(line.startswith("reconstruction-delta would stop it, but batch 7 is below") for line in fewer.why)
+    assert any("No preset that trains stops reconstruction; sentences trains" in line for line in fewer.why)
     assert recommend("verification", 1).preset is Preset.VERIFICATION
     assert recommend("verification", VERIFICATION_MAX_BATCH + 1).preset is None
     too_often = recommend("verification", 4, exposures=Preset.VERIFICATION.promise.exposures + 1)
