@@ -248,7 +248,8 @@ def card() -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Perplexity against S (one line per variant, D, E, N) with the undefended levels dashed."""
+    """Left: perplexity against S (one line per variant, D, E, N), the undefended levels dashed. Right (when
+    the run attacked deltas): each attack's token recall against S per cell family, its null as x."""
     try:
         import matplotlib
 
@@ -256,8 +257,19 @@ def plot(result: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    attacked = [r for r in result["rows"] if r.get("leg") == "attack" and r.get("attacks")]
+    fig, axes = plt.subplots(1, 2 if attacked else 1, figsize=(16 if attacked else 9, 5.5), squeeze=False)
+    _plot_utility(axes[0][0], result)
+    if attacked:
+        _plot_attacks(axes[0][1], attacked)
+    fig.suptitle(f"delta export on {result['model']} ({result['card']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_utility(ax, result: dict) -> None:
     s_values = result["args"]["s"]
-    fig, ax = plt.subplots(figsize=(9, 5.5))
     for row in result["rows"]:
         if row.get("leg") != "utility" or row.get("variant") in ("pretrained", "full-ft") or "by_N" not in row:
             continue
@@ -270,11 +282,31 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("per-tensor cap S (signal / per-entry noise)")
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
-    ax.set_title(f"delta export on {result['model']} ({result['card']}); dashed: undefended")
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_title("utility (dashed: undefended)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6, ncol=2)
+
+
+def _plot_attacks(ax, rows: list[dict]) -> None:
+    s_values = sorted({float(r["S"]) for r in rows}, reverse=True)  # inf (clean) first
+    families = sorted({(r["D"], r["variant"], r["optimizer"]) for r in rows})
+    for d, variant, optimizer in families:
+        cells = {float(r["S"]): r["attacks"] for r in rows if (r["D"], r["variant"], r["optimizer"]) ==
+                 (d, variant, optimizer)}
+        for name in sorted({n for a in cells.values() for n in a}):
+            ys = [cells.get(s, {}).get(name, {}).get("token_recall") for s in s_values]
+            if not any(y for y in ys):
+                continue  # at zero everywhere measured: the table in the JSON has it
+            xs = [i for i, y in enumerate(ys) if y is not None]
+            line = ax.plot(xs, [ys[i] for i in xs], marker="o", label=f"{name}: {variant} {optimizer} D={d}")[0]
+            nulls = [cells.get(s_values[i], {}).get(name, {}).get("null_token_recall") for i in xs]
+            ax.plot(xs, nulls, ls=":", marker="x", color=line.get_color(), lw=0.8)
+    ax.axhline(0.05, color="grey", ls="--", lw=0.6, label="0.05: the bar where the null (x) is 0")
+    ax.set_xticks(range(len(s_values)), ["clean" if s == math.inf else f"{s:g}" for s in s_values])
+    ax.set_xlabel("per-tensor cap S")
+    ax.set_ylabel("token recall of one client's delta")
+    ax.set_title("attacks with any non-zero reading (every other attack and cell: 0.00)")
+    ax.legend(fontsize=7)
 
 
 def main(argv=None) -> dict:
