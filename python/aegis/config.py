@@ -305,7 +305,7 @@ PROMISES: Mapping[Preset, Promise] = MappingProxyType(
             "per tensor): stops sentence reconstruction and the bag of words at "
             f"{RECONSTRUCTION_DELTA_SENTENCES} sentences or more per round (measured on SmolLM2: DAGER, mlp_span, "
             "spectral and the embedding readers at their nulls on one client's delta at 8 and 32 sentences, full "
-            "MLP or LoRA, AdamW or SGD); NOT candidate verification: a server holding candidate datasets "
+            "MLP or LoRA trained with AdamW, and one SGD step at 8); NOT candidate verification: a server holding candidate datasets "
             "identifies one client's delta",
             trains=True,
             cost="trains: the mean of 100 clients' flooded deltas (one round of 32 sentences each) reaches SmolLM2 "
