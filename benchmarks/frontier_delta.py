@@ -258,10 +258,11 @@ def plot(result: dict, path: Path) -> None:
     except ImportError:
         return
     attacked = [r for r in result["rows"] if r.get("leg") == "attack" and r.get("attacks")]
-    fig, axes = plt.subplots(1, 2 if attacked else 1, figsize=(16 if attacked else 9, 5.5), squeeze=False)
-    _plot_utility(axes[0][0], result)
-    if attacked:
-        _plot_attacks(axes[0][1], attacked)
+    utility = any(r.get("leg") == "utility" and "by_N" in r for r in result["rows"])
+    panels = [p for p, on in ((_plot_utility, utility), (_plot_attacks, bool(attacked))) if on] or [_plot_utility]
+    fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels) + 1, 5.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        panel(ax, result)
     fig.suptitle(f"delta export on {result['model']} ({result['card']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -287,20 +288,21 @@ def _plot_utility(ax, result: dict) -> None:
         ax.legend(fontsize=6, ncol=2)
 
 
-def _plot_attacks(ax, rows: list[dict]) -> None:
+def _plot_attacks(ax, result: dict) -> None:
+    rows = [r for r in result["rows"] if r.get("leg") == "attack" and r.get("attacks")]
     s_values = sorted({float(r["S"]) for r in rows}, reverse=True)  # inf (clean) first
     families = sorted({(r["D"], r["variant"], r["optimizer"]) for r in rows})
     for d, variant, optimizer in families:
         cells = {float(r["S"]): r["attacks"] for r in rows if (r["D"], r["variant"], r["optimizer"]) ==
                  (d, variant, optimizer)}
         for name in sorted({n for a in cells.values() for n in a}):
-            ys = [cells.get(s, {}).get(name, {}).get("token_recall") for s in s_values]
-            if not any(y for y in ys):
+            ys = [cells.get(s, {}).get(name, {}).get("token_recall", math.nan) for s in s_values]
+            if not any(y > 0 for y in ys):
                 continue  # at zero everywhere measured: the table in the JSON has it
-            xs = [i for i, y in enumerate(ys) if y is not None]
-            line = ax.plot(xs, [ys[i] for i in xs], marker="o", label=f"{name}: {variant} {optimizer} D={d}")[0]
-            nulls = [cells.get(s_values[i], {}).get(name, {}).get("null_token_recall") for i in xs]
-            ax.plot(xs, nulls, ls=":", marker="x", color=line.get_color(), lw=0.8)
+            # unmeasured S (not run, or over --attack-cap) are gaps, not interpolated
+            line = ax.plot(range(len(s_values)), ys, marker="o", label=f"{name}: {variant} {optimizer} D={d}")[0]
+            nulls = [cells.get(s, {}).get(name, {}).get("null_token_recall", math.nan) for s in s_values]
+            ax.plot(range(len(s_values)), nulls, ls=":", marker="x", color=line.get_color(), lw=0.8)
     ax.axhline(0.05, color="grey", ls="--", lw=0.6, label="0.05: the bar where the null (x) is 0")
     ax.set_xticks(range(len(s_values)), ["clean" if s == math.inf else f"{s:g}" for s in s_values])
     ax.set_xlabel("per-tensor cap S")
