@@ -1,6 +1,6 @@
 """The label channel of the audit's encoder, per preset and batch size, at each preset's exposure budget.
 
-Every preset whose promise stops reconstruction (the label attack is a reconstruction threat, ``THREATS`` in
+Every step-mode preset whose promise stops reconstruction (the label attack is a reconstruction threat, ``THREATS`` in
 ``aegis.audit.records``) is measured at B = 1, 2, 8 with the audit's own label attack
 (``aegis.audit.label_attack.evaluate``): fresh batches of sentences no client trains on, each exported K times
 through the preset's own code at the audit's attacked model, K = the preset's exposure budget, the attack reading
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from aegis import AegisConfig, Treatment
+from aegis import AegisConfig, ExportMode, Treatment
 from aegis.audit.attacks import ModelContext, server_copy
 from aegis.audit.dataset import load
 from aegis.audit.label_attack import evaluate, exposures
@@ -68,7 +68,7 @@ def encoder_context(seed: int) -> tuple[ModelContext, torch.nn.Module]:
 
 def settings() -> list[tuple[DefenceSpec, bool]]:
     """(defence, is a preset under test) for every preset that promises the labels, then the controls."""
-    presets = [p for p in Preset if THREATS["labels"] in p.promise.stops]
+    presets = [p for p in Preset if THREATS["labels"] in p.promise.stops and p.promise.export is ExportMode.STEP]
     out = [(resolve_defence(f"aegis-{p.value}"), True) for p in presets]
     no_noise = AegisConfig(preset=presets[0], overrides={"head": Treatment("rows", lam=0.0, rho=0.3)})
     out += [(resolve_defence("none"), False), (DefenceSpec("no noise (head rho 0.3, lam 0)", no_noise), False)]

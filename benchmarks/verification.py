@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 import aegis
-from aegis import AegisConfig, Calibration, ExposurePolicy, Treatment
+from aegis import AegisConfig, Calibration, ExportMode, ExposurePolicy, Treatment
 from aegis.attacks import shared_gradient
 from aegis.attacks.candidates import Candidate, Verifier, score_accuracy, verification_accuracy
 from aegis.attacks.fingerprint import VARIANTS
@@ -58,7 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PINS = [f"{(7919 * i + 1234) % 10000:04d}" for i in range(10000)]  # distinct: 7919 is prime to 10^4
 ROWS = ("token_embedding", "position_embedding", "lm_head", "token_embedding_lora", "head")
-PRESETS = tuple(p for p in Preset if p.promise.stops)  # the presets that promise something (not ``paper``)
+# the step-mode presets that promise something (not ``paper``; delta mode exports one delta a round: frontier_delta)
+PRESETS = tuple(p for p in Preset if p.promise.stops and p.promise.export is ExportMode.STEP)
 
 
 def settings(sweep: tuple[float, ...] = (), exposures: tuple[int, ...] = ()) -> dict[str, tuple[AegisConfig, int]]:

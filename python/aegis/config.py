@@ -305,8 +305,9 @@ PROMISES: Mapping[Preset, Promise] = MappingProxyType(
             "per tensor): stops sentence reconstruction and the bag of words at "
             f"{RECONSTRUCTION_DELTA_SENTENCES} sentences or more per round (measured on SmolLM2: DAGER, mlp_span, "
             "spectral and the embedding readers at their nulls on one client's delta at 8 and 32 sentences, full "
-            "MLP or LoRA trained with AdamW, and one SGD step at 8); NOT candidate verification: a server holding candidate datasets "
-            "identifies one client's delta",
+            "MLP or LoRA trained with AdamW, and one SGD step at 8; a classifier head's label channel in delta mode "
+            "is not measured); NOT candidate verification: a server holding candidate datasets identifies one "
+            "client's delta",
             trains=True,
             cost="trains: the mean of 100 clients' flooded deltas (one round of 32 sentences each) reaches SmolLM2 "
             "perplexity 45.92 with LoRA r = 8 on the MLP (undefended LoRA 45.92, undefended full fine-tune 45.26, "
