@@ -257,9 +257,9 @@ def plot(result: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    attacked = [r for r in result["rows"] if r.get("leg") == "attack" and r.get("attacks")]
+    attacked = any(r.get("leg") == "attack" and r.get("attacks") for r in result["rows"])
     utility = any(r.get("leg") == "utility" and "by_N" in r for r in result["rows"])
-    panels = [p for p, on in ((_plot_utility, utility), (_plot_attacks, bool(attacked))) if on] or [_plot_utility]
+    panels = [p for p, on in ((_plot_utility, utility), (_plot_attacks, attacked)) if on] or [_plot_utility]
     fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels) + 1, 5.5), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         panel(ax, result)

@@ -7,12 +7,11 @@ most 3 r inputs, so a rank whose 3 r is below the round's tokens reads at its nu
 positive control.
 
 Per D: the client's delta under each variant (full MLP with AdamW and with SGD, LoRA r on the MLP with AdamW)
-at each attacked S, the clean
-deltas (S = inf) as positive controls (the full-MLP one at D = 8 must leak for a null elsewhere to mean
-anything; one SGD step on it is the gradient itself up to fp32 rounding, ``sgd`` in the row), and for each
-the null: the same attack on a random tensor of the delta's per-tensor norms. The span attacks read a LoRA
-delta through its A factors (``aegis.delta_attacks.span_view``); TAG reads ``-delta / lr``. Candidate
-verification: 1-of-N client datasets (the client's first sentence replaced by "my pin is ____"), the
+at each attacked S, the clean deltas (S = inf) as positive controls (the full-MLP one at D = 8 must leak for
+a null elsewhere to mean anything; one SGD step on it is the gradient itself up to fp32 rounding, ``sgd`` in
+the row), and for each the null: the same attack on a random tensor of the delta's per-tensor norms. The span
+attacks read a LoRA delta through its A factors (``aegis.delta_attacks.span_view``); TAG reads ``-delta / lr``.
+Candidate verification: 1-of-N client datasets (the client's first sentence replaced by "my pin is ____"), the
 attacker re-trains every candidate from the same snapshot with the same seed and picks the likeliest under
 the public noise level; null 1/N.
 """

@@ -89,9 +89,9 @@ def recommend(threat: Threat | str, batch_size: int, exposures: int = 1) -> Reco
     why = [f"{fits[0].value}: {chosen.says}.", f"Cost: {chosen.cost}."]
     if not chosen.trains:  # say what a preset that trains would need, and what one that trains stops
         why += [line for preset, line in misses.items() if PROMISES[preset].trains]
-        why += [f"No preset that trains stops {threat.words}; {p.value} trains and " + (
-                f"stops only {', '.join(t.words for t in sorted(q.stops))}" if q.stops else "promises nothing yet")
-                + f": {q.says}." for p, q in PROMISES.items() if q.trains and threat not in q.stops]
+        why += [f"No preset that trains stops {threat.words}; {p.value} trains and stops only "
+                f"{', '.join(t.words for t in sorted(q.stops))}: {q.says}." for p, q in PROMISES.items()
+                if q.trains and q.stops and threat not in q.stops]  # a preset that promises nothing says nothing
     return Recommendation(threat, batch_size, exposures, fits[0], why)
 
 
