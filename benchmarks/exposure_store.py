@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import secrets
 import statistics
 import tempfile
 import time
@@ -26,27 +25,23 @@ import numpy as np
 import torch
 
 from aegis.exposure import WINDOW, _Counting, _HostCopy
-from aegis.exposure_store import _DURABILITY, ExposureStore, create_state, digest_key
+from aegis.exposure_store import DURABILITY, MERGES, ExposureStore, bulk_load, create_state
 
 RESULTS = Path(__file__).parent / "results"
 BATCH, TOKENS, VOCAB = 8, 64, 49152
 
 
-def fill(store: ExposureStore, sentences: int, chunk: int = 50_000) -> None:
-    """``sentences`` random sentences' worth of windows, written in large transactions (the history)."""
+def fill(store: ExposureStore, sentences: int, chunk: int = 200_000) -> None:
+    """``sentences`` random sentences' worth of windows (the history), loaded as runs of ``chunk`` sentences
+    and folded as the store folds them, so the history has the shape many exports would leave."""
     windows = TOKENS - WINDOW + 1
     assert store._db is not None
-    db = store._db.db
+    rng = np.random.default_rng(1)
     left = sentences * windows
     while left:
         n = min(chunk * windows, left)
-        db.execute("BEGIN IMMEDIATE")
-        # sorted within a chunk: the history is built in minutes, its pages fuller than random growth leaves them
-        keys = sorted(digest_key(secrets.token_bytes(8)) for _ in range(n))
-        db.executemany("INSERT OR IGNORE INTO counts(digest, n) VALUES (?, 1)", ((k,) for k in keys))
-        db.execute("COMMIT")
+        bulk_load(store._db, rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64), np.ones(n, np.int64))
         left -= n
-    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 def measure(size: int, exports: int, folder: Path) -> dict:
@@ -67,7 +62,8 @@ def measure(size: int, exports: int, folder: Path) -> dict:
         t2 = time.perf_counter()
         store.wait_durable()  # export() waits for this; mask_() does not
         t3 = time.perf_counter()
-        _DURABILITY.submit(lambda: None).result()  # the worker's fsync and checkpoint, done before the next step
+        DURABILITY.submit(lambda: None).result()  # the worker's fsync and checkpoint, done before the next step
+        MERGES.submit(lambda: None).result()  # and a merge, if this export started one
         background_s.append(time.perf_counter() - t2)
         assert over == 0
         hash_s.append(t1 - t0)
