@@ -33,7 +33,6 @@ ranks gather their rows, rank 0 decides for all of them, and every rank follows.
 from __future__ import annotations
 
 import enum
-import hashlib
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -43,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from . import ranks
+from .blake2b_batch import blake2b_keyed
 from .exposure_store import (  # noqa: F401  (the public names of the store, re-exported)
     IN_MEMORY,
     WINDOW,
@@ -72,24 +72,31 @@ class ExposurePolicy(str, enum.Enum):
     OFF = "off"
 
 
-def fingerprints(row: np.ndarray, special: frozenset[int]) -> list[np.ndarray]:
-    """The token windows one row of ids is counted by (see the module docstring)."""
+def fingerprints(row: np.ndarray, special: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The token windows one row of ids is counted by (see the module docstring): a (k, WINDOW) int64 array
+    of windows, each zero-padded after its length, and the (k,) lengths in tokens."""
     if special:
         is_special = np.isin(row, list(special))
         cuts = np.flatnonzero(is_special)
         segments = [s[~np.isin(s, list(special))] for s in np.split(row, cuts)] if len(cuts) else [row]
     else:
         segments = [row]
-    out: list[np.ndarray] = []
+    windows, lengths = [], []
     for segment in segments:
         n = len(segment)
         if n > WINDOW:
-            out.extend(np.lib.stride_tricks.sliding_window_view(segment, WINDOW))
+            windows.append(np.lib.stride_tricks.sliding_window_view(segment, WINDOW))
+            lengths.append(np.full(n - WINDOW + 1, WINDOW))
         elif n:
-            out.append(segment)
-            if n > 1:
-                out += [segment[1:], segment[:-1]]
-    return out
+            short = [segment, segment[1:], segment[:-1]] if n > 1 else [segment]
+            padded = np.zeros((len(short), WINDOW), np.int64)
+            for i, part in enumerate(short):
+                padded[i, : len(part)] = part
+            windows.append(padded)
+            lengths.append(np.array([len(part) for part in short]))
+    if not windows:
+        return np.zeros((0, WINDOW), np.int64), np.zeros(0, np.int64)
+    return np.concatenate(windows).astype(np.int64), np.concatenate(lengths)
 
 
 def input_embeddings(model: nn.Module) -> nn.Module | None:
@@ -112,30 +119,43 @@ def _special_ids(config: object) -> frozenset[int]:
 
 
 class _Counting:
-    """The counting rule with the salt: rows of ids -> one digest set per row (runs on the worker)."""
+    """The counting rule with the salt: rows of ids -> one digest set per row (runs on the worker). A
+    window's digest is ``blake2b(its int64 tokens, little-endian; key=salt, digest_size=16)``, computed
+    for the whole step at once (:mod:`aegis.blake2b_batch`: the worker does not hold the interpreter lock
+    for a Python loop while the backward's hooks need it)."""
 
     def __init__(self, salt: bytes, pad: int | None, special: frozenset[int]):
-        self.keyed = hashlib.blake2b(key=salt, digest_size=16)
-        self.pad, self.special = pad, special
+        self.salt, self.pad, self.special = salt, pad, special
 
     def rows(self, copy: _HostCopy) -> Rows:
         ids, mask = copy.wait()
         ids_np = ids.to(torch.int64).numpy()
         mask_np = None if mask is None else mask.numpy() != 0
-        out = []
+        windows, lengths = [], []
         for k, row in enumerate(ids_np):
             if mask_np is not None and mask_np[k].any():
                 row = row[mask_np[k]]
             elif self.pad is not None:
                 keep = np.flatnonzero(row != self.pad)
                 row = row[keep[0] : keep[-1] + 1] if len(keep) else row[:0]
-            out.append(frozenset(self._digest(w) for w in fingerprints(row, self.special)))
+            found, size = fingerprints(row, self.special)
+            windows.append(found)
+            lengths.append(size)
+        if not windows:
+            return []
+        keys = self.digests(np.concatenate(windows), np.concatenate(lengths)).tolist()
+        out, start = [], 0
+        for found in windows:
+            out.append(frozenset(keys[start : start + len(found)]))
+            start += len(found)
         return out
 
-    def _digest(self, window: np.ndarray) -> int:
-        h = self.keyed.copy()
-        h.update(np.ascontiguousarray(window, dtype=np.int64).tobytes())
-        return digest_key(h.digest())
+    def digests(self, windows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The store's keys (``digest_key``) of (k, WINDOW) zero-padded windows of the given lengths."""
+        words = np.zeros((len(windows), 16), np.uint64)
+        words[:, :WINDOW] = windows.astype("<i8").view(np.uint64)
+        digest = blake2b_keyed(words, lengths * 8, self.salt, 16)
+        return np.ascontiguousarray(digest[:, :8]).view("<i8")[:, 0]
 
 
 _WORKER = Worker("aegis-exposure")  # hashes each forward's rows during the backward, then decides, in order
