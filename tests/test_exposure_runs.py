@@ -214,7 +214,7 @@ def test_an_export_writes_a_few_pages_whatever_the_history(tmp_path):
         before = os.path.getsize(f"{path}-wal")
         assert store.reserve([set(rng.integers(-(2**63), 2**63 - 1, 456).tolist())], budget=1) == 0
         frames.append((os.path.getsize(f"{path}-wal") - before) // (4096 + 24))
-    assert frames[1] <= frames[0] + 1 and frames[1] <= 8, frames
+    assert max(frames) <= 8, frames  # a B-tree of random digests would write one page per new window: 456
     summary = store.summary()
     assert summary.windows == 10**6 + 2 * 456 and summary.bytes / summary.windows < 20
 

@@ -33,7 +33,7 @@ KERNELS = Path(__file__).resolve().parents[1] / "aegis_kernels"
 LAYERS: dict[str, int] = {
     **dict.fromkeys(
         ("aegis", "config", "errors", "registry", "policy", "exposure", "exposure_store", "exposure_db",
-         "blake2b_batch", "exposure_runs", "exposure_files", "ranks", "accounting", "calibration", "coverage",
+         "exposure_runs", "exposure_files", "ranks", "accounting", "calibration", "coverage",
          "flood", "guard", "shield", "delta", "defence", "models", "loading", "hf", "smollm2", "data"),
         0,
     ),

@@ -33,6 +33,7 @@ ranks gather their rows, rank 0 decides for all of them, and every rank follows.
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -42,7 +43,6 @@ import torch
 from torch import Tensor, nn
 
 from . import ranks
-from .blake2b_batch import blake2b_keyed
 from .exposure_store import (  # noqa: F401  (the public names of the store, re-exported)
     IN_MEMORY,
     WINDOW,
@@ -120,42 +120,37 @@ def _special_ids(config: object) -> frozenset[int]:
 
 class _Counting:
     """The counting rule with the salt: rows of ids -> one digest set per row (runs on the worker). A
-    window's digest is ``blake2b(its int64 tokens, little-endian; key=salt, digest_size=16)``, computed
-    for the whole step at once (:mod:`aegis.blake2b_batch`: the worker does not hold the interpreter lock
-    for a Python loop while the backward's hooks need it)."""
+    window's digest is ``blake2b(its int64 tokens, little-endian; key=salt, digest_size=16)``: one short
+    stretch of the interpreter lock per step (each window a slice of one bytes object, no call that
+    releases and retakes the lock), so the backward's hooks wait little for it."""
 
     def __init__(self, salt: bytes, pad: int | None, special: frozenset[int]):
-        self.salt, self.pad, self.special = salt, pad, special
+        self.keyed = hashlib.blake2b(key=salt, digest_size=16)
+        self.pad, self.special = pad, special
 
     def rows(self, copy: _HostCopy) -> Rows:
         ids, mask = copy.wait()
         ids_np = ids.to(torch.int64).numpy()
         mask_np = None if mask is None else mask.numpy() != 0
-        windows, lengths = [], []
+        out = []
         for k, row in enumerate(ids_np):
             if mask_np is not None and mask_np[k].any():
                 row = row[mask_np[k]]
             elif self.pad is not None:
                 keep = np.flatnonzero(row != self.pad)
                 row = row[keep[0] : keep[-1] + 1] if len(keep) else row[:0]
-            found, size = fingerprints(row, self.special)
-            windows.append(found)
-            lengths.append(size)
-        if not windows:
-            return []
-        keys = self.digests(np.concatenate(windows), np.concatenate(lengths)).tolist()
-        out, start = [], 0
-        for found in windows:
-            out.append(frozenset(keys[start : start + len(found)]))
-            start += len(found)
+            out.append(frozenset(self.digests(*fingerprints(row, self.special))))
         return out
 
-    def digests(self, windows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def digests(self, windows: np.ndarray, lengths: np.ndarray) -> list[int]:
         """The store's keys (``digest_key``) of (k, WINDOW) zero-padded windows of the given lengths."""
-        words = np.zeros((len(windows), 16), np.uint64)
-        words[:, :WINDOW] = windows.astype("<i8").view(np.uint64)
-        digest = blake2b_keyed(words, lengths * 8, self.salt, 16)
-        return np.ascontiguousarray(digest[:, :8]).view("<i8")[:, 0]
+        data = memoryview(windows.astype("<i8").tobytes())
+        keys = []
+        for i, n in enumerate(lengths.tolist()):
+            h = self.keyed.copy()
+            h.update(data[i * 8 * WINDOW : (i * WINDOW + n) * 8])
+            keys.append(int.from_bytes(h.digest()[:8], "little", signed=True))
+        return keys
 
 
 _WORKER = Worker("aegis-exposure")  # hashes each forward's rows during the backward, then decides, in order

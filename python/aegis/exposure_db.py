@@ -28,7 +28,7 @@ FANOUT = 4  # runs of one level that merge into one run of the next
 _COUNTERS = ("exports", "generation", "max_count", "next_run", "folded")
 SCHEMA = """
 CREATE TABLE meta(key TEXT PRIMARY KEY, value) WITHOUT ROWID;
-CREATE TABLE log(seq INTEGER PRIMARY KEY, digest INTEGER NOT NULL);
+CREATE TABLE log(seq INTEGER PRIMARY KEY, digests BLOB NOT NULL);
 CREATE TABLE runs(name TEXT PRIMARY KEY, level INTEGER NOT NULL, windows INTEGER NOT NULL, checksum BLOB NOT NULL)
     WITHOUT ROWID;
 """
@@ -109,7 +109,7 @@ class StoreDatabase:
         self.runs: list[Run] = []
         self.tail: dict[int, int] = {}  # counts of the log rows not yet folded into a run
         self.tail_rows = 0
-        self.chunks: list[tuple[int, np.ndarray]] = []  # those rows as (first seq, digests), in order
+        self.chunks: list[tuple[int, np.ndarray]] = []  # those rows (one an export) as (seq, digests), in order
         self.last_seq = 0
         self.merging = False
 
@@ -181,16 +181,16 @@ class StoreDatabase:
                          for name, level, windows, checksum in manifest]
             self.tail, self.chunks, self.tail_rows, self.last_seq = {}, [], 0, counters["folded"]
             self.generation = counters["generation"]
-        rows = self.db.execute("SELECT seq, digest FROM log WHERE seq > ? ORDER BY seq", (self.last_seq,)).fetchall()
-        if rows:
-            self._append(rows[0][0], [digest for _, digest in rows])
+        for seq, digests in self.db.execute("SELECT seq, digests FROM log WHERE seq > ? ORDER BY seq",
+                                            (self.last_seq,)).fetchall():
+            self._append(seq, np.frombuffer(digests, "<i8").astype(np.int64))
 
-    def _append(self, first_seq: int, digests: list[int]) -> None:
-        self.chunks.append((first_seq, np.array(digests, np.int64)))
-        for d in digests:
+    def _append(self, seq: int, digests: np.ndarray) -> None:
+        self.chunks.append((seq, digests))
+        for d in digests.tolist():
             self.tail[d] = self.tail.get(d, 0) + 1
         self.tail_rows += len(digests)
-        self.last_seq = max(self.last_seq, first_seq + len(digests) - 1)
+        self.last_seq = max(self.last_seq, seq)
 
     def counts(self, digests: Sequence[int]) -> np.ndarray:
         """Inside a transaction, after ``refresh``: each digest's count."""
@@ -215,10 +215,9 @@ class StoreDatabase:
             counts = self.counts(digests).tolist()
             hot = {d for d, n in zip(digests, counts) if n >= budget}
             over = sum(not hot.isdisjoint(row) for row in rows)
-            first = self.last_seq + 1
-            if not over and digests:
-                db.executemany("INSERT INTO log(seq, digest) VALUES (?, ?)", zip(range(first, first + len(digests)),
-                                                                                  digests))
+            seq, appended = self.last_seq + 1, np.array(digests, np.int64)
+            if not over and digests:  # one row, one statement: the lock is not given up and retaken per digest
+                db.execute("INSERT INTO log(seq, digests) VALUES (?, ?)", (seq, appended.astype("<i8").tobytes()))
                 db.execute("UPDATE meta SET value = value + 1 WHERE key = 'exports'")
                 top = max(counts) + 1
                 if top > counters["max_count"]:
@@ -230,7 +229,7 @@ class StoreDatabase:
             self.forget_view()
             raise
         if not over and digests:
-            self._append(first, digests)
+            self._append(seq, appended)
             self.seen["exports"] += 1
             self.exports_here += 1
             self.durable = DURABILITY.submit(self._sync)
@@ -340,9 +339,9 @@ class StoreDatabase:
         self.runs = [run for run in self.runs if run.name not in gone]
         self.runs.append(runs_io.open_run(folder / name, name, level, len(keys), None, self.store_id))
         kept, self.chunks, self.tail, self.tail_rows = self.chunks, [], {}, 0
-        for first, digests in kept:
-            if first > upto:
-                self._append(first, digests.tolist())
+        for seq, digests in kept:
+            if seq > upto:
+                self._append(seq, digests)
         return True
 
     def merged(self) -> runs_io.Counts:

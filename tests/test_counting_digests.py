@@ -1,41 +1,12 @@
-"""The batched keyed BLAKE2b equals hashlib's, and the counting rule's digests are the store's format
-(``digest_key(blake2b(window's int64 tokens, key=salt, digest_size=16))``)."""
+"""The counting rule's digests are the store's format: ``digest_key(blake2b(window's int64 tokens,
+key=salt, digest_size=16))`` for every window and short segment of a row."""
 import hashlib
 
 import numpy as np
-import pytest
 import torch
 
-from aegis.blake2b_batch import blake2b_keyed
 from aegis.exposure import WINDOW, _Counting, _HostCopy, fingerprints
 from aegis.exposure_store import digest_key
-
-
-def _words(messages):
-    words = np.zeros((len(messages), 16), np.uint64)
-    for i, m in enumerate(messages):
-        words[i] = np.frombuffer(m.ljust(128, b"\0"), "<u8")
-    return words, np.array([len(m) for m in messages])
-
-
-@pytest.mark.parametrize("key_size,digest_size", [(16, 16), (1, 8), (64, 64), (33, 20)])
-def test_equals_hashlib_for_every_length(key_size, digest_size):
-    rng = np.random.default_rng(key_size)
-    key = rng.bytes(key_size)
-    messages = [rng.bytes(n) for n in range(1, 129)] + [rng.bytes(64) for _ in range(600)]
-    words, lengths = _words(messages)
-    out = blake2b_keyed(words, lengths, key, digest_size)
-    assert out.shape == (len(messages), digest_size)
-    assert [bytes(d) for d in out] == [hashlib.blake2b(m, key=key, digest_size=digest_size).digest()
-                                       for m in messages]
-
-
-def test_refuses_what_one_block_cannot_hold():
-    words, lengths = _words([b"x" * 10])
-    with pytest.raises(ValueError, match="1..128 bytes"):
-        blake2b_keyed(words, lengths * 0, b"k", 16)
-    with pytest.raises(ValueError, match="key"):
-        blake2b_keyed(words, lengths, b"", 16)
 
 
 def _reference(salt, row, special):
