@@ -1,11 +1,12 @@
 """What the exposure budget costs per export on the host, as the store grows.
 
 For each size (sentences already stored, 64 tokens each: 57 windows a sentence), a fresh store is filled
-with that history, then B = 8 x 64-token batches of fresh sentences are decided one after another: the
-counting rule (fingerprints and salted digests of the step's rows) and the store's transaction (read the
-counts, reserve, commit). Reports the median per export of each part, the wait for the WAL's fsync that
-``export()`` adds when nothing else overlapped it, the mean time the store's worker then spends (fsync and
-the periodic checkpoint; a training step's compute overlaps it), and the bytes on disk per stored window.
+with that history (sorted runs of 200 000 sentences each), then B = 8 x 64-token batches of fresh
+sentences are decided one after another: the counting rule (fingerprints and salted digests of the step's
+rows) and the store's transaction (read the counts, reserve, commit). Reports the median per export of
+each part, the wait for the WAL's fsync that ``export()`` adds when nothing else overlapped it, the mean
+time the store's workers then spend (fsync, checkpoints, and the folds and merges of the log into runs;
+a training step's compute overlaps them), and the bytes on disk per stored window.
 
     python benchmarks/exposure_store.py                    # 1e3, 1e5, 1e6 stored sentences
     python benchmarks/exposure_store.py --sizes 1000 --exports 20

@@ -7,26 +7,27 @@ after the commit does the flooded gradient leave, so two shields, two processes 
 store can never export the same text past the budget; a crash after the commit over-counts (safe).
 
 **Layout: a log-structured merge tree.** A B-tree keyed by random digests dirties one page per new window
-once it outgrows the cache, so its commits grow with the history. Here an export appends its digests to a
-``log`` table (rows in sequence order: a few pages per export, whatever the history), and the counts live
-in *sorted runs* (:mod:`aegis.exposure_runs`): immutable files of (digest, count) pairs, memory-mapped and
-searched by bisection. Once the log holds ``FOLD_WINDOWS`` rows, a background thread folds it into a new run,
-merged with the runs of every level that then holds ``FANOUT`` of them, writes the file, and commits the
-swap (new run in the manifest, old runs and folded log rows out) in one transaction, only if no other
-process merged first. Each process keeps a view of the counts: the mapped runs and the log's rows since
-(read incrementally inside each decision; the whole log again after a merge elsewhere).
+once it outgrows the cache, so its commits grow with the history. Here an export appends one row to a
+``log`` table, its digests as one blob (rows in sequence order: a few pages per export, whatever the
+history), and the counts live in *sorted runs* (:mod:`aegis.exposure_runs`): immutable files of (digest,
+count) pairs, memory-mapped and searched through a radix index. Once the log holds ``FOLD_WINDOWS`` digests,
+a background thread folds it into a new run, merged with the runs of every level that then holds ``FANOUT``
+of them, writes the file, and commits the swap (new run in the manifest, old runs and folded log rows out)
+in one transaction, only if no other process merged first. Each process keeps a view of the counts: the
+mapped runs and the log's rows since (read incrementally inside each decision; the whole log again after a
+merge elsewhere).
 
-**Cost per export**: O(digests x runs) bisections and O(digests) appended rows; one WAL append, made
-durable by an ``fsync`` on a worker thread that ``export()`` waits for (overlapping the flood and the
-optimizer step); the WAL is checkpointed on that worker once it holds ``CHECKPOINT_PAGES``. On disk: 12
-bytes a window in runs, plus the log. The merges, off the decision's path, rewrite each window about
+**Cost per export**: O(digests x runs) index lookups and one appended row of O(digests) bytes; one WAL
+append, made durable by an ``fsync`` on a worker thread that ``export()`` waits for (overlapping the flood
+and the optimizer step); the WAL is checkpointed on that worker once it holds ``CHECKPOINT_PAGES``. On disk:
+12 bytes a window in runs, plus the log. The merges, off the decision's path, rewrite each window about
 log_FANOUT(windows / FOLD_WINDOWS) times over its life.
 
-**Tables**: ``log(seq, digest)``, ``runs(name, level, windows, checksum)`` (the manifest) and
-``meta(key, value)``: format, schema version, window, salt, store id, and counters that only grow
-(``exports``, ``generation`` of the manifest, ``max_count``, ``next_run``, ``folded``: the last log row in a
-run). A digest is the first 64 bits of the window's blake2b digest keyed by the salt, so the store does not
-let anyone without the salt test a guessed sentence; a collision can only over-count.
+**Tables**: ``log(seq, digests)``, ``runs(name, level, windows, checksum)`` (the manifest) and ``meta(key,
+value)``: format, schema version, window, salt, store id, and counters that only grow (``exports``,
+``generation`` of the manifest, ``max_count``, ``next_run``, ``folded``: the last log row in a run). A
+digest is the first 64 bits of the window's blake2b digest keyed by the salt, so the store does not let
+anyone without the salt test a guessed sentence; a collision can only over-count.
 
 **Fail closed**: a named store that is missing is an error (``create_state`` makes one); the default store
 (``$AEGIS_CACHE_DIR`` or the user's cache folder) is created with a warning that it holds no earlier counts;
@@ -286,7 +287,7 @@ class ExposureStore:
             durable.result()
 
     def fold(self) -> bool:
-        """Fold the log into the sorted runs now (the store does so by itself past ``FOLD_WINDOWS`` rows)."""
+        """Fold the log into the sorted runs now (the store does so by itself past ``FOLD_WINDOWS`` digests)."""
         return False if self._db is None else self._database().fold()
 
     @property
