@@ -191,12 +191,12 @@ def test_a_crash_mid_merge_leaves_nothing_behind(tmp_path):
     """A run renamed but never committed, and the temporary file of a dead process, go at the next merge."""
     path, run = _folded_store(tmp_path)
     folder = runs_folder(path)
-    orphan, dead = folder / "000000000077.run", folder / ".999999999-1.tmp"
-    orphan.write_bytes(b"x")
-    dead.write_bytes(b"x")
+    orphan, dead, unknown = folder / "000000000077.run", folder / ".999999999-1.tmp", folder / ".notes.tmp"
+    for leftover in (orphan, dead, unknown):
+        leftover.write_bytes(b"x")
     store = ExposureStore(str(path))
     assert store.reserve([{4}], budget=1) == 0 and store.fold()
-    assert sorted(p.name for p in folder.iterdir()) == sorted(r.name for r in store._db.runs)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([".notes.tmp"] + [r.name for r in store._db.runs])
     assert store.count(1) == 1 and store.count(4) == 1
 
 

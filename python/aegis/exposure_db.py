@@ -2,11 +2,12 @@
 decision and the background merges (the layout and its cost are in :mod:`aegis.exposure_store`)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -208,8 +209,7 @@ class StoreDatabase:
     def reserve(self, rows: Sequence[Collection[int]], digests: list[int], budget: int) -> int:
         """Holding ``lock``: refuse, or add one to every digest's count, in one ``BEGIN IMMEDIATE``."""
         db = self.db
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self.writing():
             counters = self.check_identity()
             self.refresh(counters)
             counts = self.counts(digests).tolist()
@@ -219,15 +219,7 @@ class StoreDatabase:
             if not over and digests:  # one row, one statement: the lock is not given up and retaken per digest
                 db.execute("INSERT INTO log(seq, digests) VALUES (?, ?)", (seq, appended.astype("<i8").tobytes()))
                 db.execute("UPDATE meta SET value = value + 1 WHERE key = 'exports'")
-                top = max(counts) + 1
-                if top > counters["max_count"]:
-                    db.execute("UPDATE meta SET value = ? WHERE key = 'max_count'", (top,))
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            self.forget_view()
-            raise
+                self.raise_max_count(max(counts) + 1, counters)
         if not over and digests:
             self._append(seq, appended)
             self.seen["exports"] += 1
@@ -237,6 +229,25 @@ class StoreDatabase:
                 self.merging = True
                 MERGES.submit(self._merge)
         return over
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """One ``BEGIN IMMEDIATE`` transaction, committed unless the body rolled it back; on an error, rolled
+        back and the view reloaded at the next one."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            if self.db.in_transaction:
+                self.db.execute("COMMIT")
+        except BaseException:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            self.forget_view()
+            raise
+
+    def raise_max_count(self, top: int, counters: dict[str, int]) -> None:
+        if top > counters["max_count"]:
+            self.db.execute("UPDATE meta SET value = ? WHERE key = 'max_count'", (top,))
 
     def _sync(self) -> None:
         """Make the last commit durable before anything leaves, then checkpoint a WAL grown past its limit."""
@@ -308,8 +319,7 @@ class StoreDatabase:
         db, folder = self.db, runs_folder(self.path)
         check_location(self.path)
         self.check_file()
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self.writing():
             counters = self.check_identity()
             if counters["generation"] != generation:
                 db.execute("ROLLBACK")
@@ -324,15 +334,7 @@ class StoreDatabase:
             db.executemany("UPDATE meta SET value = ? WHERE key = ?",
                            [(generation + 1, "generation"), (counters["next_run"] + 1, "next_run"),
                             (max(upto, counters["folded"]), "folded")])
-            top = int(counts.max()) if len(counts) else 0
-            if top > counters["max_count"]:
-                db.execute("UPDATE meta SET value = ? WHERE key = 'max_count'", (top,))
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            self.forget_view()
-            raise
+            self.raise_max_count(int(counts.max(initial=0)), counters)  # a loaded run's counts are new
         self.fsync()  # durable before the inputs it replaces are deleted
         self.seen["generation"] = self.generation = generation + 1
         gone = {run.name for run in inputs}
@@ -364,13 +366,16 @@ def _collect_orphans(folder: Path, listed: set[str]) -> None:
     for entry in os.scandir(folder):
         if entry.name.endswith(".run") and entry.name not in listed:
             os.unlink(entry.path)
-        elif entry.name.endswith(".tmp") and not _alive(int(entry.name[1:].split("-")[0])):
+        elif entry.name.endswith(".tmp") and not _alive(entry.name[1:].split("-")[0]):
             os.unlink(entry.path)
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: str) -> bool:
+    """Whether the process a temporary file names may still be writing it (a name of no pid: yes)."""
     try:
-        os.kill(pid, 0)
+        os.kill(int(pid), 0)
+    except ValueError:
+        return True
     except ProcessLookupError:
         return False
     except PermissionError:

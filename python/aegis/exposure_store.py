@@ -184,7 +184,6 @@ def _load(path: Path, keys: np.ndarray, counts: np.ndarray) -> None:
     database = StoreDatabase(path)
     if len(keys):
         bulk_load(database, keys, counts)
-        database.db.execute("UPDATE meta SET value = max(value, ?) WHERE key = 'max_count'", (int(counts.max()),))
     database.db.close()
 
 
