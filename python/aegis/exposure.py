@@ -26,8 +26,9 @@ at all (``model.forward`` called past the hooks), is refused unless ``track_exam
 **Cost.** The ids are copied to the host during the forward and hashed on a worker thread while the
 backward runs; ``decide()`` then costs one store transaction of the step's digests (``aegis.exposure_store``).
 
-**Persistence** (``aegis.exposure_store``): the salt and the counts live in an SQLite store shared by every
-process that names it, and the budget decision is one transaction of it. Under ``torch.distributed`` the
+**Persistence** (``aegis.exposure_store``): the salt and the counts live in a store (an SQLite file and the
+folder of sorted runs beside it) shared by every process that names it, and the budget decision is one
+transaction of it. Under ``torch.distributed`` the
 ranks gather their rows, rank 0 decides for all of them, and every rank follows.
 """
 from __future__ import annotations
