@@ -198,10 +198,14 @@ def test_untied_head_alone_gives_label_tokens(dec, tiny_untied):
 # -- defended --------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.filterwarnings(r"ignore:AegisConfig\(seed=")
 @pytest.mark.parametrize("tied", [True, False])
 def test_aegis_closes_the_row_channels(dec, tied):
     """Tied: the default decoder; untied: the tiny GPT-2 with ``tie_word_embeddings=False`` (flooding on CPU is
-    slow, and the untied channels are the same: sparse embedding rows, head rows, position rows)."""
+    slow, and the untied channels are the same: sparse embedding rows, head rows, position rows). One fixed
+    noise key and dropout seed: a single sample compared with a one-word margin (ROUGE-1 0.05) must not
+    depend on the run."""
+    torch.manual_seed(0)
     base, tok = dec
     # protect() freezes attention in place: keep the fixtures clean.
     model = copy.deepcopy(base) if tied else _tiny_gpt2(tok, tied=False)
@@ -214,7 +218,7 @@ def test_aegis_closes_the_row_channels(dec, tied):
     null_recall = _recall(embedding_norm_tokens(model, null_grads, tok, B), true)
     null_r1 = _rouge1(embedding_norm(model, null_grads, tok, B), texts)
 
-    shield = aegis.protect(model, config=aegis.AegisConfig(preset="verification"))
+    shield = aegis.protect(model, config=aegis.AegisConfig(preset="verification", seed=7))
     grads = shared_gradient(model, texts, tok, shield=shield)
     leak = embedding_norm_leak(model, grads, B)
     recall = _recall(leak.tokens, true)
