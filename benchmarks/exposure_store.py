@@ -34,7 +34,8 @@ BATCH, TOKENS, VOCAB = 8, 64, 49152
 
 def fill(store: ExposureStore, sentences: int, chunk: int = 200_000) -> None:
     """``sentences`` random sentences' worth of windows (the history), loaded as runs of ``chunk`` sentences
-    and folded as the store folds them, so the history has the shape many exports would leave."""
+    each; the merge policy would have merged some of them, so a decision here reads more runs than it would
+    in a store grown by exports."""
     windows = TOKENS - WINDOW + 1
     assert store._db is not None
     rng = np.random.default_rng(1)

@@ -28,8 +28,8 @@ backward runs; ``decide()`` then costs one store transaction of the step's diges
 
 **Persistence** (``aegis.exposure_store``): the salt and the counts live in a store (an SQLite file and the
 folder of sorted runs beside it) shared by every process that names it, and the budget decision is one
-transaction of it. Under ``torch.distributed`` the
-ranks gather their rows, rank 0 decides for all of them, and every rank follows.
+transaction of it. Under ``torch.distributed`` the ranks gather their rows, rank 0 decides for all of them,
+and every rank follows.
 """
 from __future__ import annotations
 

@@ -201,6 +201,18 @@ class StoreDatabase:
             total += np.fromiter((self.tail.get(d, 0) for d in digests), np.int64, len(digests))
         return total
 
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[dict[str, int]]:
+        """Holding ``lock``, outside decisions: a read transaction with the view brought up to date; yields
+        the counters."""
+        self.db.execute("BEGIN")
+        try:
+            counters = self.check_identity()
+            self.refresh(counters)
+            yield counters
+        finally:
+            self.db.execute("COMMIT")
+
     def forget_view(self) -> None:
         """After a failed transaction: reload everything at the next one."""
         self.generation = -1
@@ -348,12 +360,7 @@ class StoreDatabase:
 
     def merged(self) -> runs_io.Counts:
         """Every stored window with its count (a full merge: for summaries, not for decisions)."""
-        with self.lock:
-            self.db.execute("BEGIN")
-            try:
-                self.refresh(self.check_identity())
-            finally:
-                self.db.execute("COMMIT")
+        with self.lock, self.reading():
             parts = [(run.keys, run.counts) for run in self.runs]
             parts.append((np.fromiter(self.tail, np.int64, len(self.tail)),
                           np.fromiter(self.tail.values(), np.int64, len(self.tail))))
@@ -374,11 +381,9 @@ def _alive(pid: str) -> bool:
     """Whether the process a temporary file names may still be writing it (a name of no pid: yes)."""
     try:
         os.kill(int(pid), 0)
-    except ValueError:
-        return True
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (ValueError, PermissionError):
         return True
     return True
 
@@ -394,12 +399,7 @@ def bulk_load(database: StoreDatabase, keys: np.ndarray, counts: np.ndarray) -> 
     level = 0
     while FOLD_WINDOWS * FANOUT ** (level + 1) <= len(keys):
         level += 1
-    with database.lock:
-        database.db.execute("BEGIN")
-        try:
-            counters = database.check_identity()
-            database.refresh(counters)
-        finally:
-            database.db.execute("COMMIT")
+    with database.lock, database.reading() as counters:
+        pass
     if not database.add_run(keys, counts, level, [], counters["generation"], counters["folded"]):
         raise RuntimeError(f"exposure state {database.path}: another process merged during the load; load again")

@@ -130,9 +130,10 @@ def open_run(path: Path, name: str, level: int, windows: int, checksum: bytes | 
         raise ValueError(f"exposure state: the run {path} its manifest lists is missing: restore the store's "
                          "folder from a backup; nothing was exported") from None
     try:
-        check_stat(os.fstat(fd), path, "run")
-        if os.fstat(fd).st_size != size:
-            raise ValueError(f"exposure state: the run {path} has {os.fstat(fd).st_size} bytes, not {size}: restore "
+        info = os.fstat(fd)
+        check_stat(info, path, "run")
+        if info.st_size != size:
+            raise ValueError(f"exposure state: the run {path} has {info.st_size} bytes, not {size}: restore "
                              "the store from a backup; nothing was exported")
         if windows == 0:
             return Run(name, level, np.zeros(0, KEY), np.zeros(0, COUNT))

@@ -298,13 +298,8 @@ class ExposureStore:
         if self._db is None:
             return self._memory.get(digest, 0)
         db = self._database()
-        with db.lock:
-            db.db.execute("BEGIN")
-            try:
-                db.refresh(db.check_identity())
-                return int(db.counts([digest])[0])
-            finally:
-                db.db.execute("COMMIT")
+        with db.lock, db.reading():
+            return int(db.counts([digest])[0])
 
     @property
     def max_count(self) -> int:
