@@ -23,10 +23,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-
-from aegis.exposure import WINDOW, _Counting, _HostCopy
-from aegis.exposure_store import DURABILITY, MERGES, ExposureStore, bulk_load, create_state
+from aegis.exposure_counting import Counting
+from aegis.exposure_store import DURABILITY, MERGES, WINDOW, ExposureStore, bulk_load, create_state
 
 RESULTS = Path(__file__).parent / "results"
 BATCH, TOKENS, VOCAB = 8, 64, 49152
@@ -52,13 +50,13 @@ def measure(size: int, exports: int, folder: Path) -> dict:
     start = time.perf_counter()
     fill(store, size)
     fill_s = time.perf_counter() - start
-    counting = _Counting(store.salt, pad=None, special=frozenset())
+    counting = Counting(store.salt, pad=None, special=frozenset())  # as the decider process runs it
     rng = np.random.default_rng(0)
     hash_s, store_s, durable_s, background_s = [], [], [], []
     for _ in range(exports):
-        ids = torch.from_numpy(rng.integers(3, VOCAB, (BATCH, TOKENS)))
+        ids = rng.integers(3, VOCAB, (BATCH, TOKENS))
         t0 = time.perf_counter()
-        rows = counting.rows(_HostCopy(ids, torch.ones_like(ids)))
+        rows = counting.rows(ids, np.ones_like(ids))
         t1 = time.perf_counter()
         over = store.reserve(rows, budget=1)
         t2 = time.perf_counter()

@@ -9,8 +9,8 @@ memory and the exported payload (fp32 bytes of what a client shares), and ratios
 
 AEGIS runs as shipped: exposure counting on, each defence with a fresh persistent store (SQLite in a
 temporary folder). The "+no-exposure" variant turns counting off, so the difference is the counting's
-cost; ``counting_ms`` is the time a step waits for the budget decision, ``store_ms`` the decision's
-transaction (both on a worker thread: the hashing during the backward, the transaction during the flood).
+cost; ``counting_ms`` is the time a step waits for the budget decision (taken in the decider process:
+the hashing during the backward, the transaction during the flood).
 ``--drift-steps N`` times N steps of GPT-2 b64 and compares the last 100 with the
 first 100 (the store grows by every step's windows).
 
@@ -120,10 +120,8 @@ def prepare(setting: Setting, defence_name: str, device: torch.device):
     scaler = torch.amp.GradScaler(device.type, enabled=setting.autocast == torch.float16)
     shield = defence.shield if isinstance(defence, Aegis) else None
     if shield is not None and shield._exposure is not None and shield._exposure.store is not None:
-        defence.counting_s, defence.store_s = [], []
+        defence.counting_s = []
         shield._settle = _timed(shield._settle, defence.counting_s)  # the step waiting for the decision
-        store = shield._exposure.store
-        store.reserve = _timed(store.reserve, defence.store_s)  # the transaction, on the worker thread
 
     def step():
         optimizer.zero_grad(set_to_none=KEEP_GRADS not in flags)
@@ -200,13 +198,12 @@ def _timed(fn, times: list):
 
 
 def _counting(defence, steps: int) -> dict:
-    """Median over the timed steps of the time the step waited for the exposure decision (``counting_ms``)
-    and of the decision's transaction on the worker (``store_ms``), and the store's size after them."""
+    """Median over the timed steps of the time the step waited for the exposure decision (``counting_ms``),
+    and the store's size after them."""
     counting = getattr(defence, "counting_s", None)
     if not counting:
         return {}
-    out = {"counting_ms": statistics.median(counting[-steps:]) * 1e3,
-           "store_ms": statistics.median(defence.store_s[-steps:]) * 1e3}
+    out = {"counting_ms": statistics.median(counting[-steps:]) * 1e3}
     store = defence.shield._exposure.store.summary()
     return out | {"store_windows": store.windows, "store_bytes": store.bytes}
 

@@ -33,6 +33,7 @@ KERNELS = Path(__file__).resolve().parents[1] / "aegis_kernels"
 LAYERS: dict[str, int] = {
     **dict.fromkeys(
         ("aegis", "config", "errors", "registry", "policy", "exposure", "exposure_store", "exposure_db",
+         "exposure_counting", "exposure_decider",
          "exposure_runs", "exposure_files", "ranks", "accounting", "calibration", "coverage",
          "flood", "guard", "shield", "delta", "defence", "models", "loading", "hf", "smollm2", "data"),
         0,

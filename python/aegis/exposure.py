@@ -5,9 +5,9 @@ The noise of independent exports averages out as sqrt(K): an attacker who receiv
 sqrt(K) and reads a signal a single export hides. Each preset promises its strength up to a number of
 exposures (``AegisConfig.exposures``); the tracker counts them and the shield enforces the budget.
 
-**The counting rule** (``fingerprints``). The token ids of every forward under grad mode since the last
-export are read by a forward pre-hook on the input embedding, with the attention mask from the model's own
-forward when it has one. Every such forward counts (a pair or contrastive loss runs several before one
+**The counting rule** (``exposure_counting.fingerprints``). The token ids of every forward under grad mode
+since the last export are read by a forward pre-hook on the input embedding, with the attention mask from
+the model's own forward when it has one. Every such forward counts (a pair or contrastive loss runs several before one
 backward); the pending forwards are forgotten only when their gradients are gone (every flooded gradient
 None, or, after a refusal, set to zero), never because another forward ran. Padding is dropped by the
 attention mask (a row whose mask is all zero counts by its ids: its labels may still carry gradient),
@@ -23,8 +23,10 @@ exposed that often. Not caught: a short sentence cut by two or more tokens, or p
 A forward that passed embeddings instead of ids (``inputs_embeds``), or a backward with no counted forward
 at all (``model.forward`` called past the hooks), is refused unless ``track_examples`` gives the ids.
 
-**Cost.** The ids are copied to the host during the forward and hashed on a worker thread while the
-backward runs; ``decide()`` then costs one store transaction of the step's digests (``aegis.exposure_store``).
+**Cost.** The ids are copied to the host during the forward; once a backward starts, a worker thread sends
+them to the decider, a process of its own (``aegis.exposure_decider``) that hashes them while the backward
+runs and takes the decision, one store transaction of the step's digests (``aegis.exposure_store``), while
+the flood runs. The training process's interpreter lock is held only to copy and send the ids.
 
 **Persistence** (``aegis.exposure_store``): the salt and the counts live in a store (an SQLite file and the
 folder of sorted runs beside it) shared by every process that names it, and the budget decision is one
@@ -34,28 +36,24 @@ and every rank follows.
 from __future__ import annotations
 
 import enum
-import hashlib
-import os
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from . import ranks
+from .exposure_decider import Arrays, Counter, Pending, on_worker
 from .exposure_store import (  # noqa: F401  (the public names of the store, re-exported)
     IN_MEMORY,
     WINDOW,
     ExposureStore,
-    Worker,
     create_state,
     default_state_path,
     digest_key,
     reset_state,
 )
-
-Rows = list[frozenset[int]]  # one digest set per counted row (the store's 64-bit keys)
 
 
 class ExposurePolicy(str, enum.Enum):
@@ -71,33 +69,6 @@ class ExposurePolicy(str, enum.Enum):
     REFUSE = "refuse"
     SILENCE = "silence"
     OFF = "off"
-
-
-def fingerprints(row: np.ndarray, special: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The token windows one row of ids is counted by (see the module docstring): a (k, WINDOW) int64 array
-    of windows, each zero-padded after its length, and the (k,) lengths in tokens."""
-    if special:
-        is_special = np.isin(row, list(special))
-        cuts = np.flatnonzero(is_special)
-        segments = [s[~np.isin(s, list(special))] for s in np.split(row, cuts)] if len(cuts) else [row]
-    else:
-        segments = [row]
-    windows, lengths = [], []
-    for segment in segments:
-        n = len(segment)
-        if n > WINDOW:
-            windows.append(np.lib.stride_tricks.sliding_window_view(segment, WINDOW))
-            lengths.append(np.full(n - WINDOW + 1, WINDOW))
-        elif n:
-            short = [segment, segment[1:], segment[:-1]] if n > 1 else [segment]
-            padded = np.zeros((len(short), WINDOW), np.int64)
-            for i, part in enumerate(short):
-                padded[i, : len(part)] = part
-            windows.append(padded)
-            lengths.append(np.array([len(part) for part in short]))
-    if not windows:
-        return np.zeros((0, WINDOW), np.int64), np.zeros(0, np.int64)
-    return np.concatenate(windows).astype(np.int64), np.concatenate(lengths)
 
 
 def input_embeddings(model: nn.Module) -> nn.Module | None:
@@ -119,64 +90,6 @@ def _special_ids(config: object) -> frozenset[int]:
     return frozenset(ids)
 
 
-class _Counting:
-    """The counting rule with the salt: rows of ids -> one digest set per row (runs on the worker). A
-    window's digest is ``blake2b(its int64 tokens, little-endian; key=salt, digest_size=16)``: one short
-    stretch of the interpreter lock per step (each window a slice of one bytes object, no call that
-    releases and retakes the lock), so the backward's hooks wait little for it."""
-
-    def __init__(self, salt: bytes, pad: int | None, special: frozenset[int]):
-        self.keyed = hashlib.blake2b(key=salt, digest_size=16)
-        self.pad, self.special = pad, special
-
-    def rows(self, copy: _HostCopy) -> Rows:
-        ids, mask = copy.wait()
-        ids_np = ids.to(torch.int64).numpy()
-        mask_np = None if mask is None else mask.numpy() != 0
-        out = []
-        for k, row in enumerate(ids_np):
-            if mask_np is not None and mask_np[k].any():
-                row = row[mask_np[k]]
-            elif self.pad is not None:
-                keep = np.flatnonzero(row != self.pad)
-                row = row[keep[0] : keep[-1] + 1] if len(keep) else row[:0]
-            out.append(frozenset(self.digests(*fingerprints(row, self.special))))
-        return out
-
-    def digests(self, windows: np.ndarray, lengths: np.ndarray) -> list[int]:
-        """The store's keys (``digest_key``) of (k, WINDOW) zero-padded windows of the given lengths."""
-        data = memoryview(windows.astype("<i8").tobytes())
-        keys = []
-        for i, n in enumerate(lengths.tolist()):
-            h = self.keyed.copy()
-            h.update(data[i * 8 * WINDOW : (i * WINDOW + n) * 8])
-            keys.append(int.from_bytes(h.digest()[:8], "little", signed=True))
-        return keys
-
-
-_WORKER = Worker("aegis-exposure")  # hashes each forward's rows during the backward, then decides, in order
-
-
-class _Pending:
-    """One forward's rows, hashed on the worker once a backward starts (a forward no backward follows costs
-    its copy only); recomputed here in a forked child (no worker there)."""
-
-    def __init__(self, counting: _Counting, copy: _HostCopy):
-        self.counting, self.copy, self.pid = counting, copy, os.getpid()
-        self.future: Future[Rows] | None = None
-
-    def start(self) -> None:
-        if self.future is None and self.pid == os.getpid():
-            self.future = _WORKER.submit(self.counting.rows, self.copy)
-
-    def rows(self) -> Rows:
-        if self.pid != os.getpid():
-            return self.counting.rows(self.copy)
-        self.start()
-        assert self.future is not None
-        return self.future.result()
-
-
 class ExposureTracker:
     """Counts per fingerprint (salted token-window digest) how many masked exports carried it.
 
@@ -196,11 +109,16 @@ class ExposureTracker:
         config = getattr(model, "config", None)
         self.budget = budget
         self.store = ExposureStore(state) if counting else None
-        self._counting = None if self.store is None else _Counting(
-            self.store.salt, getattr(config, "pad_token_id", None), _special_ids(config))
+        self._counter: Counter | None = None  # this tracker's counter in the decider process
+        if self.store is not None:
+            self._counter = Counter(self.store, getattr(config, "pad_token_id", None), _special_ids(config))
+            on_worker(self._counter.open).result()  # the decider checks the store now, not at the first step
+            self._closer = weakref.finalize(self, on_worker, self._counter.close)
+            self._closer.atexit = False
+        self._exports_here = 0  # of the store, by this process (the decider's count)
         self._rows_pending = 0
         self._gradients = gradients
-        self._pending: list[_Pending] = []  # digests of this step's forwards, hashed on the worker
+        self._pending: list[Pending] = []  # this step's forwards, sent to the decider once a backward starts
         self._untracked = 0  # forwards of this step that passed no token ids (inputs_embeds)
         self._backward_seen = False  # a backward ran since the pending forwards began
         self._refused: list[tuple[Tensor, int]] | None = None  # the gradients of a refused step
@@ -238,9 +156,14 @@ class ExposureTracker:
 
     def note_backward(self) -> None:
         if not self._backward_seen:
-            for pending in self._pending:  # the step's forwards are in: hash them while the backward runs
-                pending.start()
+            for pending in self._pending:  # the step's forwards are in: hashed while the backward runs
+                self._send(pending)
         self._backward_seen = True
+
+    def _send(self, pending: Pending) -> None:
+        if self._counter is not None and not ranks.distributed():  # under DDP rank 0 gathers them at the decision
+            pending.held = True
+            on_worker(self._counter.send, pending)
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._active():
@@ -269,11 +192,11 @@ class ExposureTracker:
     def _add(self, ids: Tensor, mask: Tensor | None) -> None:
         flat = ids.detach().reshape(-1, ids.shape[-1])
         self._rows_pending += flat.shape[0]
-        if self._counting is not None:
+        if self._counter is not None:
             copy = _HostCopy(flat, None if mask is None else mask.detach().reshape(flat.shape))
-            self._pending.append(_Pending(self._counting, copy))
+            self._pending.append(Pending(copy.arrays))
             if self._backward_seen:  # accumulating: a backward of this step already ran
-                self._pending[-1].start()
+                self._send(self._pending[-1])
 
     def track(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> None:
         """The ids of a step whose forward received embeddings (``inputs_embeds``), given by the user."""
@@ -312,41 +235,41 @@ class ExposureTracker:
         return None
 
     def decide(self) -> int:
-        """The budget decision of the pending step, one store transaction: the number of rows holding text
-        already exported ``budget`` times (nothing counted), or 0 with every fingerprint counted once more.
-        Under torch.distributed every rank's rows are gathered and rank 0 decides for all."""
+        """The budget decision of the pending step, one store transaction in the decider: the number of rows
+        holding text already exported ``budget`` times (nothing counted), or 0 with every fingerprint counted
+        once more. Under torch.distributed every rank's ids are gathered and rank 0 decides for all."""
+        if not ranks.distributed():
+            return self.decide_async().result()
         problem = self._problem()
-        rows = [] if problem else [row for pending in self._pending for row in pending.rows()]
+        arrays: list[Arrays] = [] if problem else [p.arrays() for p in self._pending]
+        problems, gathered = ranks.gather(problem, arrays)
+        self._raise(next((p for p in problems if p), None))
+        return ranks.decided_by_rank0(lambda: on_worker(self._decide_in_decider, [], gathered).result())
+
+    def decide_async(self) -> Future[int]:
+        """``decide()`` in the decider, after the step's hashing, so the transaction runs while the caller
+        launches the flood; the caller joins it before anything is stepped or exported. A problem is raised
+        here at once; under torch.distributed (collectives) it decides here too."""
         if ranks.distributed():
-            problems, all_rows = ranks.gather(problem, rows)
-            problem = next((p for p in problems if p), None)
-            rows = all_rows
+            done: Future[int] = Future()
+            done.set_result(self.decide())
+            return done
+        self._raise(self._problem())
+        return on_worker(self._decide_in_decider, list(self._pending), [])
+
+    def _decide_in_decider(self, pending: list[Pending], extra: list[Arrays]) -> int:
+        assert self._counter is not None  # on the worker
+        over, self._exports_here = self._counter.decide(pending, extra, self.budget)
+        return over
+
+    def _raise(self, problem: str | None) -> None:
         if problem:
             raise RuntimeError(
                 f"mask_() refused: {problem}. Call shield.track_examples(input_ids, attention_mask) with the batch's "
                 "ids before mask_(), or pass AegisConfig(exposure=ExposurePolicy.OFF) and keep each example within "
                 "the budget yourself")
-        store = self.store
-        if store is None:
+        if self._counter is None:
             raise RuntimeError("decide(): this tracker counts rows only (ExposurePolicy.OFF)")
-        if ranks.distributed():
-            return ranks.decided_by_rank0(lambda: store.reserve(rows, self.budget))
-        return store.reserve(rows, self.budget)
-
-    def decide_async(self) -> Future[int]:
-        """``decide()`` on the worker thread (after the step's hashing, in order), so the transaction runs while
-        the caller launches the flood; the caller joins it before anything is stepped or exported. A problem
-        is raised here at once; under torch.distributed (collectives) it decides here too."""
-        problem = self._problem()
-        store = self.store
-        if problem or store is None or ranks.distributed():
-            done: Future[int] = Future()
-            done.set_result(self.decide())
-            return done
-        pending, budget = list(self._pending), self.budget
-        for p in pending:  # queued before the decision on the one worker, so the decision never waits on itself
-            p.start()
-        return _WORKER.submit(lambda: store.reserve([row for p in pending for row in p.rows()], budget))
 
     def refuse(self, over: int, grads: list[Tensor | None]) -> RuntimeError:
         """The step was refused: it stays refused until these gradients are dropped (not merely changed).
@@ -354,7 +277,7 @@ class ExposureTracker:
         self._refused = [(g, g._version) for g in grads if g is not None]
         store = self.store
         where = "memory (IN_MEMORY)" if store is None or store.path is None else str(store.path)
-        mine = 0 if store is None else store.exports_here
+        mine = self._exports_here
         return RuntimeError(
             f"mask_() refused: {over} example(s) of this batch hold text already exported {self.budget} time(s), the "
             f"exposure budget of this configuration (noise averages out over repeated exports), counted in {where} "
@@ -363,20 +286,24 @@ class ExposureTracker:
             "AegisConfig(exposure=ExposurePolicy.SILENCE) to export pure noise for such steps")
 
     def discard(self) -> None:
+        if self._counter is not None and any(p.held for p in self._pending):  # not counted: the decider forgets them
+            on_worker(self._counter.drop, self._pending)
         self._pending, self._untracked, self._backward_seen, self._refused = [], 0, False, None
         self._rows_pending = 0
 
     def wait_durable(self) -> None:
-        if self.store is not None:
-            self.store.wait_durable()
+        if self._counter is not None:
+            on_worker(self._counter.durable).result()
 
     @property
     def max_exposure(self) -> int:
-        return 0 if self.store is None else self.store.max_count
+        return 0 if self._counter is None else on_worker(self._counter.max_count).result()
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        if self._counter is not None:
+            self._closer()
 
 
 def _same(grad: Tensor, seen: tuple[Tensor, int]) -> bool:
@@ -385,8 +312,8 @@ def _same(grad: Tensor, seen: tuple[Tensor, int]) -> bool:
 
 class _HostCopy:
     """Token ids (and their mask) on their way to the host. A CUDA tensor is copied asynchronously into
-    pinned memory behind an event, which the worker waits on: neither the forward nor ``mask_()`` waits
-    on the stream's later work (the backward)."""
+    pinned memory behind an event, which the worker waits on (``arrays()``) before it sends them to the
+    decider: neither the forward nor ``mask_()`` waits on the stream's later work (the backward)."""
 
     def __init__(self, ids: Tensor, mask: Tensor | None):
         self.tensors = [t for t in (ids, mask) if t is not None]
@@ -402,11 +329,10 @@ class _HostCopy:
         else:
             self.tensors = [t.clone() for t in self.tensors]
 
-    def wait(self) -> tuple[Tensor, Tensor | None]:
+    def arrays(self) -> Arrays:
         if self.ready is not None:
             self.ready.synchronize()
-        return self.tensors[0], self.tensors[1] if self.has_mask else None
-
+        return self.tensors[0].numpy(), self.tensors[1].numpy() if self.has_mask else None
 
 
 class _Nested:

@@ -103,7 +103,11 @@ def create_state(path: str | os.PathLike) -> Path:
                               "deleting it would restart every count from zero") from None
     os.close(fd)
     try:
-        shutil.rmtree(runs_folder(path), ignore_errors=True)  # runs of a store deleted without its folder
+        # what a store deleted by itself left: its runs, and sidecars another process may still map (a stale
+        # shared-memory index would be trusted by the new connection, a stale WAL replayed into it)
+        for suffix in ("-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        shutil.rmtree(runs_folder(path), ignore_errors=True)
         runs_folder(path).mkdir(mode=0o700)
         with connect(path) as db:
             create_schema(db, secrets.token_bytes(16), secrets.token_hex(8))
