@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from aegis.exposure_counting import Counting
 from aegis.exposure_store import DURABILITY, MERGES, WINDOW, ExposureStore, bulk_load, create_state
 
