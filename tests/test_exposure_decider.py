@@ -62,28 +62,19 @@ def test_a_decider_killed_mid_decision_fails_the_step_and_a_new_one_keeps_the_co
     export(model, shield, FRESH)
 
 
-def test_a_decider_killed_between_steps_is_replaced_before_the_decision(tmp_path):
-    """The ids sent to the dead decider go with the decision to the new one: the step is decided on all."""
-    model, _, shield = protected(str(create_state(tmp_path / "s.sqlite")))
+@pytest.mark.parametrize("state", ["file", IN_MEMORY])
+def test_a_decider_killed_between_steps_is_replaced_before_the_decision(tmp_path, state):
+    """A store: the ids sent to the dead decider go with the decision to a new one, which reads the counts.
+    Counts kept in memory died with it: their counter refuses from then on (no fresh budget)."""
+    model, _, shield = protected(IN_MEMORY if state == IN_MEMORY else str(create_state(tmp_path / "s.sqlite")))
     export(model, shield, TEXT)
     model.zero_grad(set_to_none=True)
     os.kill(_decider_pid(), signal.SIGKILL)
     exposure_decider._DECIDER._proc.wait()
-    with pytest.raises(RuntimeError, match="exposure budget"):
-        export(model, shield, TEXT)
-
-
-def test_counts_in_memory_die_with_their_decider_and_the_counter_refuses():
-    model, _, shield = protected(IN_MEMORY)
-    export(model, shield, TEXT)
-    model.zero_grad(set_to_none=True)
-    os.kill(_decider_pid(), signal.SIGKILL)
-    exposure_decider._DECIDER._proc.wait()
-    with pytest.raises(RuntimeError, match="decider process exited|kept in memory"):
-        export(model, shield, TEXT)
-    model.zero_grad(set_to_none=True)
-    with pytest.raises(RuntimeError, match="kept in memory.*were lost"):  # not a fresh budget
-        export(model, shield, TEXT)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="exposure budget" if state == "file" else "kept in memory.*were lost"):
+            export(model, shield, TEXT)
+        model.zero_grad(set_to_none=True)
 
 
 def _decide_in_fork(counter, ids, parent, results):
