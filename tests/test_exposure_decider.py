@@ -9,11 +9,14 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
+import aegis
 from aegis import exposure_decider
 from aegis.exposure import IN_MEMORY, create_state
 from aegis.exposure_counting import Counting
 from aegis.exposure_store import ExposureStore
+from families import build
 from test_exposure_holes import backward, export
 from test_exposure_store import FRESH, OTHER, TEXT, protected
 
@@ -111,3 +114,21 @@ def test_a_forked_process_decides_through_its_own_decider(tmp_path, state):
     again = exposure_decider.on_worker(counter.decide, [exposure_decider.Pending(lambda: (ids, None))], [], 1)
     assert again.result()[0] == 1
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_ids_reach_the_decider_from_pinned_copies(tmp_path):
+    """CUDA ids go to the host behind an event and to the decider at the backward: refused the second time,
+    with and without an attention mask, and a fresh batch still exports."""
+    model = build("gpt2").cuda()
+    config = aegis.AegisConfig(seed=3, exposure_budget=1, exposure_state=str(create_state(tmp_path / "s.sqlite")))
+    shield = aegis.protect(model, config=config)
+    ids, fresh = TEXT.cuda(), FRESH.cuda()
+    mask = torch.ones_like(ids)
+    export(model, shield, ids, mask)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="exposure budget"):
+        export(model, shield, ids)
+    model.zero_grad(set_to_none=True)
+    assert all(t.is_cuda for t in export(model, shield, fresh).values())
