@@ -1,5 +1,6 @@
 """The decider process: the training process hashes nothing and holds no count; a decider that dies fails
 the step closed and a new one carries on from the store; a fork decides through its own decider."""
+import concurrent.futures.thread
 import multiprocessing as mp
 import os
 import signal
@@ -132,3 +133,23 @@ def test_gpu_ids_reach_the_decider_from_pinned_copies(tmp_path):
         export(model, shield, ids)
     model.zero_grad(set_to_none=True)
     assert all(t.is_cuda for t in export(model, shield, fresh).values())
+
+
+def test_a_tracker_collected_inside_another_executors_submit_closes_without_a_lock(tmp_path):
+    """A garbage collection can run a tracker's finalizer inside any ThreadPoolExecutor.submit, which holds
+    the executors' shared lock: the finalizer takes no lock, and the close goes before the next message."""
+    model, _, shield = protected(str(create_state(tmp_path / "s.sqlite")))
+    finalizer = shield._exposure._closer
+    done = threading.Event()
+
+    def collected():
+        with concurrent.futures.thread._global_shutdown_lock:  # as inside another executor's submit
+            finalizer()
+        done.set()
+
+    threading.Thread(target=collected, daemon=True).start()
+    assert done.wait(timeout=30)
+    assert exposure_decider._CLOSED
+    other_model, _, other = protected(str(create_state(tmp_path / "t.sqlite")))
+    export(other_model, other, TEXT)
+    assert not exposure_decider._CLOSED

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from . import ranks
-from .exposure_decider import Arrays, Counter, Pending, on_worker
+from .exposure_decider import Arrays, Counter, Pending, closed, on_worker
 from .exposure_store import (  # noqa: F401  (the public names of the store, re-exported)
     IN_MEMORY,
     WINDOW,
@@ -113,8 +113,7 @@ class ExposureTracker:
         if self.store is not None:
             self._counter = Counter(self.store, getattr(config, "pad_token_id", None), _special_ids(config))
             on_worker(self._counter.open).result()  # the decider checks the store now, not at the first step
-            self._closer = weakref.finalize(self, on_worker, self._counter.close)
-            self._closer.atexit = False
+            self._closer = weakref.finalize(self, closed, self._counter.key)
         self._exports_here = 0  # of the store, by this process (the decider's count)
         self._rows_pending = 0
         self._gradients = gradients

@@ -26,6 +26,7 @@ so such a counter refuses from then on, as it does in a forked child.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -95,7 +96,10 @@ class _Decider:
 
     def send(self, message: tuple) -> None:
         try:
-            self._connection().send(message)
+            conn = self._connection()
+            while _CLOSED:
+                conn.send(("close", _CLOSED.popleft()))
+            conn.send(message)
         except OSError:
             raise self._lost() from None
 
@@ -121,6 +125,14 @@ class _Decider:
 _DECIDER = _Decider()
 _WORKER = Worker("aegis-exposure")  # every message to the decider, in order
 _KEYS = itertools.count(1)
+_CLOSED: collections.deque[int] = collections.deque()  # counters whose trackers are gone, closed at the next send
+
+
+def closed(key: int) -> None:
+    """Close counter ``key`` in the decider before the next message. Takes no lock, so a garbage collector's
+    finalizer may call it anywhere (inside another executor's ``submit``, which holds the executors' shared
+    lock, a ``submit`` here would deadlock)."""
+    _CLOSED.append(key)
 
 
 class Pending:
@@ -201,11 +213,6 @@ class Counter:
     def max_count(self) -> int:
         self.open()
         return int(_DECIDER.call(("max_count", self.key)))
-
-    def close(self) -> None:
-        if self._opened_on == _DECIDER.generation:
-            _DECIDER.send(("close", self.key))
-        self._opened_on = None
 
 
 # -- the decider's end -------------------------------------------------------------------------
