@@ -116,8 +116,11 @@ class _Decider:
 
     def _lost(self) -> RuntimeError:
         proc = self._proc
-        code = None if proc is None else proc.wait(timeout=5)
-        self._let_go()
+        self._let_go()  # a decider still running reads the end of its socket and exits
+        try:
+            code = None if proc is None else proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
         return RuntimeError(f"the exposure decider process exited (code {code}): this step was not exported and "
                             "may have been counted; the next step starts a new decider")
 
