@@ -205,7 +205,7 @@ def flood_plan(grads: list[Tensor], modes: str, grouped: bool | None) -> FloodPl
     dtype, device, shape, contiguity: the plan holds no pointers, and gradients move between steps),
     so a training loop pays the Python work once."""
     try:
-        sig = (modes, grouped, tuple((g.data_ptr() % 16, g.dtype, g.device, tuple(g.shape), g.is_contiguous())
+        sig = (modes, grouped, tuple((g.data_ptr() % 16, g.dtype, g.device, g.shape, g.is_contiguous())
                                      for g in grads))
     except Exception:  # e.g. a sparse gradient: let the full checks below explain
         sig = None

@@ -75,6 +75,21 @@ def _matrix_sum_tile(x_ptr, numel, local, part_ptr, slot, BLOCK: tl.constexpr, I
 
 
 @triton.jit
+def group_sumsq_kernel(like_ptr, part_ptr, tile_tensor_ptr, meta_ptr, T, SUM_BLOCK: tl.constexpr,
+                       SUM_ITERS: tl.constexpr, SUM_UNROLL: tl.constexpr, VEC: tl.constexpr):
+    """Pass 1 alone over a grouped address table, one program per tile (nothing is written to the tensors)."""
+    tile = tl.program_id(0)
+    t = tl.load(tile_tensor_ptr + tile)
+    local = tile - tl.load(meta_ptr + 3 * T + t)
+    x_ptr = tl.load(meta_ptr + t).to(like_ptr.dtype)
+    numel = tl.load(meta_ptr + T + t)
+    if VEC:
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    _matrix_sum_tile(x_ptr, numel, local, part_ptr, tile, SUM_BLOCK, SUM_ITERS, SUM_UNROLL)
+
+
+@triton.jit
 def _matrix_sum_noise_tile(g_ptr, numel, local, part_ptr, slot, sigma, bbase, k0, k1, k2, k3, k4, k5, k6, k7,
                            BLOCK: tl.constexpr, ITERS: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr):
     """Pass 1 and pass 2 of a rho-0 tile in place: part[slot] = [sum x^2, any non-finite] of G, and
@@ -320,3 +335,33 @@ def flood_matrix_grouped(K: Backend, grads: list[Tensor], params: Tensor, bbases
         prev = cur
     pipe(K, prev, None, part, stats, key, per, group, vec, params)
     return stats
+
+
+def grouped_norms(K: Backend, tensors: list[Tensor], vec: bool) -> Tensor:
+    """Per-tensor ||x||_2 (fp32, NaN for a non-finite tensor) of same-dtype contiguous tensors of one device,
+    from one address table in two launches: pass 1 and the fixed-order per-tensor reduction, so the same
+    tensors give the same bits on every call."""
+    T = len(tensors)
+    tables = group_tables(tensors, [0] * T, K.config)
+    dev = tensors[0].device
+    part = torch.empty(tables.first[-1], 2, dtype=torch.float32, device=dev)
+    stats = torch.empty(T, 3, dtype=torch.float32, device=dev)
+    cfg = K.config
+    K.matrix.group_sumsq_kernel[(tables.first[-1],)](
+        tensors[0], part, tables.tile_tensor, tables.meta, T, SUM_BLOCK=cfg.sum_block, SUM_ITERS=cfg.sum_iters,
+        SUM_UNROLL=cfg.sum_unroll, VEC=vec, num_warps=cfg.pipe_warps,
+    )
+    K.matrix.matrix_stats_kernel[(T,)](part, stats, 0, _zero_params(T, dev), tables.meta, T, 0, BLOCK=STATS_BLOCK,
+                                       GROUPED=True)
+    return stats[:, 1]
+
+
+_ZEROS: dict[tuple, Tensor] = {}
+
+
+def _zero_params(T: int, device: torch.device) -> Tensor:
+    """A (T, 4) zero parameter table: the stats kernel's s is then 0 and only its norm column is read."""
+    key = (T, device)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros(T, 4, dtype=torch.float32, device=device)
+    return _ZEROS[key]

@@ -256,20 +256,23 @@ def rows_flood_flat_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-def flood_rows(K: Backend, g: Tensor, out: Tensor, params: Tensor, key: Tensor, bbase: int, stats=None) -> Tensor:
+def flood_rows(K: Backend, g: Tensor, out: Tensor, params: Tensor, key: Tensor, bbase: int, stats=None, *,
+               keep_stats: bool = True) -> Tensor:
     """Rows flood of a contiguous V x D ``g`` into ``out`` (may be ``g``) from keystream block
-    ``bbase``; returns stats [sigma, |S|, clipped, M]."""
+    ``bbase``; returns stats [sigma, |S|, clipped, M] (``keep_stats=False``, the in-place ``flood_``:
+    possibly a view of a scratch buffer, spared a copy)."""
     V, D = g.shape
     dev = g.device
-    if stats is None:
+    per = ref.words_per_element(g.dtype)
+    cfg, R = K.config, K.rows
+    norms_tile, flood_tile = rows_tiling(cfg, V, D, per)
+    onepass = V > 0 and D > 0 and flood_tile.rows == 1 and D % (ref.BLOCK_WORDS // per) == 0
+    if stats is None and (keep_stats or not onepass):
         stats = torch.empty(4, dtype=torch.float32, device=dev)
     if V == 0 or D == 0:  # nothing to flood: S empty
         stats.copy_(torch.stack((params[1], *params.new_zeros(3))))
         return stats
-    per = ref.words_per_element(g.dtype)
-    cfg, R = K.config, K.rows
-    norms_tile, flood_tile = rows_tiling(cfg, V, D, per)
-    if flood_tile.rows == 1 and D % (ref.BLOCK_WORDS // per) == 0:  # long rows: one pass over memory
+    if onepass:  # long rows: one pass over memory
         P = cdiv(V, cfg.reduce_chunk)
         # per-row parts [V, 4], per-chunk partials [P, 4], the stats + non-finite flag [5], the counter
         part = torch.empty(4 * V + 4 * P + 5 + 1, dtype=torch.float32, device=dev)
@@ -285,6 +288,8 @@ def flood_rows(K: Backend, g: Tensor, out: Tensor, params: Tensor, key: Tensor, 
             num_warps=4,
         )
         R.rows_poison_kernel[(min(cdiv(V * D, 4096), 1024),)](out, flag, V * D, BLOCK=4096)
+        if not keep_stats:
+            return flag[:4]
         stats.copy_(flag[:4])
         return stats
     P1 = cdiv(V, norms_tile.rows)

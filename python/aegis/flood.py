@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch import Tensor
 
-import aegis_kernels  # noqa: F401  (registers torch.ops.aegis)
+import aegis_kernels  # registers torch.ops.aegis
 import aegis_kernels.reference as ref
 from aegis_kernels.cuda_graph import GraphedFlood
 
@@ -117,7 +117,15 @@ def device_state_of(flood: Flood) -> Tensor | None:
 
 
 def norms(tensors: list[Tensor]) -> Tensor | None:
-    """Per-tensor fp32 L2 norms on the device: their bits are export()'s checksum against mask_()'s."""
+    """Per-tensor fp32 L2 norms on the device (non-finite for a non-finite tensor): their bits are export()'s
+    checksum against mask_()'s. On CUDA two launches from an address table (``torch._foreach_norm`` allocates
+    a tensor per input, host time a launch-bound step pays); elsewhere ``torch._foreach_norm``."""
     if not tensors:
         return None
+    if aegis_kernels.HAS_TRITON and tensors[0].is_cuda:
+        from aegis_kernels.triton import norms as grouped
+
+        out = grouped(tensors)
+        if out is not None:
+            return out
     return torch.stack([n.to(tensors[0].device) for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)])

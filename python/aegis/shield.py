@@ -137,11 +137,13 @@ class Shield:
         views = self._views(grads)
         if views:  # launched while the decision's transaction runs; nothing steps or leaves before it is in
             self._flood(views, self._mode_string, self._table(views))
+        checks = norms(grads)  # the checksum, still while the decision runs
         silenced = self._settle(decision)
         if silenced and views:  # over the budget: the flood is replaced by pure noise (rho = 0)
             self._flood(views, self._mode_string, self._table(views), pure_noise=True)
+            checks = norms(grads)
         self._flood.step += 1
-        self._commit(grads, views, silenced, capturing)
+        self._commit(grads, checks, silenced, capturing)
 
     def _check(self) -> bool:
         """Refuse what cannot be masked; True inside a CUDA-graph capture."""
@@ -191,10 +193,9 @@ class Shield:
         assert self._params is not None
         return self._params
 
-    def _commit(self, grads: list[Tensor], views: list[Tensor], silenced: bool, capturing: bool) -> None:
+    def _commit(self, grads: list[Tensor], checks: Tensor | None, silenced: bool, capturing: bool) -> None:
         """Record the masked state export() checks; a non-finite gradient skips the step instead (a NaN or inf
         makes its flooded tensor non-finite, so the checksum's norms find it; a capture cannot sync)."""
-        checks = norms(views)
         if checks is not None and not capturing and not bool(torch.isfinite(checks).all()):
             self._skip(checks)
             return
