@@ -9,8 +9,9 @@ memory and the exported payload (fp32 bytes of what a client shares), and ratios
 
 AEGIS runs as shipped: exposure counting on, each defence with a fresh persistent store (SQLite in a
 temporary folder). The "+no-exposure" variant turns counting off, so the difference is the counting's
-cost; ``counting_ms`` is the time a step waits for the budget decision (taken in the decider process:
-the hashing during the backward, the transaction during the flood).
+cost; ``counting_ms`` is the time a step waits for the budget decision (taken in the decider process
+during the backward: the hashing and the transaction). The flood runs as a CUDA graph (the default);
+"+eager-flood" launches it kernel by kernel.
 ``--drift-steps N`` times N steps of GPT-2 b64 and compares the last 100 with the
 first 100 (the store grows by every step's windows).
 
@@ -35,9 +36,9 @@ from aegis.exposure import ExposurePolicy, create_state
 
 RESULTS = Path(__file__).parent / "results"
 # Variants by suffix: "+keep-grads" zeroes gradients in place (zero_grad(set_to_none=False)) so they
-# keep their addresses; "+flood-graph" turns on AegisConfig.cuda_graph, whose replay needs that.
+# keep their addresses; "+eager-flood" turns AegisConfig.cuda_graph off (the flood's launches one by one).
 # "+no-exposure" turns the exposure budget off (the counting's cost is the difference).
-KEEP_GRADS, FLOOD_GRAPH, NO_EXPOSURE = "keep-grads", "flood-graph", "no-exposure"
+KEEP_GRADS, EAGER_FLOOD, NO_EXPOSURE = "keep-grads", "eager-flood", "no-exposure"
 DEFENCES = ("none", "aegis-verification", "aegis-verification+no-exposure", "dp-sgd-C1-z1", "prune-90", "soteria-80")
 
 
@@ -100,14 +101,14 @@ def prepare(setting: Setting, defence_name: str, device: torch.device):
     """(step, defence): one full training step of a fresh model under the named defence."""
     model, draw = build(setting, device)
     base, *flags = defence_name.split("+")
-    if set(flags) - {KEEP_GRADS, FLOOD_GRAPH, NO_EXPOSURE}:
-        raise ValueError(f"{defence_name}: unknown variant; use +{KEEP_GRADS}, +{FLOOD_GRAPH} or +{NO_EXPOSURE}")
+    if set(flags) - {KEEP_GRADS, EAGER_FLOOD, NO_EXPOSURE}:
+        raise ValueError(f"{defence_name}: unknown variant; use +{KEEP_GRADS}, +{EAGER_FLOOD} or +{NO_EXPOSURE}")
     defence = make_defence(base)
     if isinstance(defence, Aegis):
         # as shipped: counts persist, in a store of this defence's own (random batches never repeat in one)
         store = create_state(Path(tempfile.mkdtemp(prefix="aegis-overhead-")) / "exposure.sqlite")
         defence.config = defence.config.replace(
-            exposure_state=str(store), cuda_graph=FLOOD_GRAPH in flags,
+            exposure_state=str(store), cuda_graph=EAGER_FLOOD not in flags,
             exposure=ExposurePolicy.OFF if NO_EXPOSURE in flags else defence.config.exposure)
 
     def loss_fn(m, b):

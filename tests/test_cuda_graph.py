@@ -2,8 +2,8 @@
 tables a graph reads by address live exactly as long as that graph, not as long as the process.
 
 CPU: the mechanism, with the capture state faked. GPU (``-m gpu``): GraphedFlood drops its oldest
-graph for a fifth set of gradients, and with it the tables that graph read; the graphs it keeps
-still replay correctly after the launch caches forgot their tables.
+graph for a fifth layout of gradients, and with it the tables that graph read; the graphs it keeps
+still replay correctly after the launch caches forgot every table.
 """
 from __future__ import annotations
 
@@ -75,32 +75,30 @@ def test_capture_of_unseen_gradients_is_refused(monkeypatch):
 def test_gpu_graphed_flood_frees_the_tables_of_dropped_graphs():
     dev = torch.device("cuda")
     flood = cuda_graph.GraphedFlood(dev)
-    modes = "matrix,matrix"
+    modes = "rows,matrix"
     params = torch.tensor([[0.5, 1.0, 10.0, 0.0]] * 2, device=dev)
     master = [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344, 0xA4093822, 0x299F31D0, 0x082EFA98, 0xEC4E6C89]
-    unowned = cuda_graph.unowned_count()
     gen = torch.Generator(device=dev).manual_seed(0)
-    sets = [[torch.randn(300, 64, device=dev, generator=gen), torch.randn(20000, device=dev, generator=gen)]
-            for _ in range(cuda_graph._MAX_GRAPHS + 2)]
-    metas = []
-    for k, grads in enumerate(sets):
-        flood(grads, modes, params, master, 2 * k)  # eager: caches this set's tables
-        metas.append(weakref.ref(tables.group_tables(grads, _bbases(grads)).meta))
-        flood(grads, modes, params, master, 2 * k + 1)  # captured
+
+    def layout(k):  # a new layout per k: other shapes
+        return [torch.randn(300 + k, 512, device=dev, generator=gen), torch.randn(20000 + 16 * k, device=dev,
+                                                                                 generator=gen)]
+
+    kept = []
+    for k in range(cuda_graph._MAX_LAYOUTS + 2):
+        flood(layout(k), modes, params, master, 2 * k)  # eager
+        kept.append(weakref.ref(list(flood._layouts.values())[-1]))
+        flood(layout(k), modes, params, master, 2 * k + 1)  # captured, at other addresses
     torch.cuda.synchronize()
-    assert flood.captures == len(sets) and flood.disabled is None
+    assert flood.captures == cuda_graph._MAX_LAYOUTS + 2 and flood.disabled is None
     tables.clear_caches()
     gc.collect()
-    alive = [m() is not None for m in metas]
-    assert alive == [False] * 2 + [True] * cuda_graph._MAX_GRAPHS  # the dropped graphs' tables are freed
-    assert cuda_graph.unowned_count() == unowned
-    # a kept graph still reads valid tables: its replay equals an eager flood under the same key
-    grads = sets[-1]
-    clean = [torch.randn(g.shape, device=dev, generator=gen) for g in grads]
-    for g, c in zip(grads, clean):
-        g.copy_(c)
+    alive = [r() is not None for r in kept]
+    assert alive == [False] * 2 + [True] * cuda_graph._MAX_LAYOUTS  # the dropped graphs and their tables are freed
+    # the oldest graph kept still reads valid tables: its replay equals an eager flood under the same key
+    grads = layout(2)
+    clean = [g.clone() for g in grads]
     flood(grads, modes, params, master, 99)
     assert flood.replays == 1
-    eager = [c.clone() for c in clean]
-    TF.flood_(eager, modes, params, ref.derive_key(torch.tensor(master), 99).to(dev))
-    assert all(torch.equal(a, b) for a, b in zip(grads, eager))
+    TF.flood_(clean, modes, params, ref.derive_key(torch.tensor(master), 99).to(dev))
+    assert all(torch.equal(a, b) for a, b in zip(grads, clean))

@@ -54,14 +54,15 @@ def test_fresh_examples_and_calibration_forwards_do_not_count():
     assert shield.report().max_exposure == 1
 
 
-def test_forwards_whose_gradients_were_dropped_do_not_count():
+def test_a_step_dropped_after_its_backward_stays_counted():
+    """The decision is taken at the backward's first gradient: a step whose gradients are then dropped without
+    an export (a GradScaler's skipped fp16 step) has reserved its text, counted on the safe side."""
     model, shield = protected(budget=1)
     other = torch.tensor([[7, 7, 8, 60]])
-    for _ in range(3):  # computed and thrown away (zero_grad(set_to_none=True)) before the real step
-        model.zero_grad(set_to_none=True)
-        model(input_ids=other, labels=other).loss.backward()
-    step(model, shield, SENTENCE)
-    step(model, shield, other)  # its first export
+    model.zero_grad(set_to_none=True)
+    model(input_ids=other, labels=other).loss.backward()
+    model.zero_grad(set_to_none=True)  # thrown away before mask_()
+    step(model, shield, SENTENCE)  # the drop made way for a fresh step
     with pytest.raises(RuntimeError, match="exposure budget"):
         step(model, shield, other)
 

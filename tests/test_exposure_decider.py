@@ -50,10 +50,10 @@ def test_a_decider_killed_mid_decision_fails_the_step_and_a_new_one_keeps_the_co
     model, _, shield = protected(str(path))
     export(model, shield, TEXT)
     model.zero_grad(set_to_none=True)
-    backward(model, OTHER)
     writer = sqlite3.connect(str(path), isolation_level=None)
-    writer.execute("BEGIN IMMEDIATE")  # the decider's transaction waits for this one
+    writer.execute("BEGIN IMMEDIATE")  # the decider's transaction (started at the backward) waits for this one
     threading.Timer(1.0, os.kill, (_decider_pid(), signal.SIGKILL)).start()
+    backward(model, OTHER)
     with pytest.raises(RuntimeError, match="decider process exited"):
         shield.mask_()
     writer.execute("ROLLBACK")

@@ -23,7 +23,7 @@ from torch import Tensor
 from .. import reference as ref
 from .launch import SPAN, STATS_BLOCK, Backend, cdiv
 from .stream import FLT_MAX, add_noise, load_key, noise_only, noise_tile, tile_lanes, to_out
-from .tables import group_tables
+from .tables import GroupTables, group_tables
 
 
 @triton.jit(do_not_specialize=["ntiles", "t_first"])
@@ -311,15 +311,17 @@ def flood_matrix_chain(K: Backend, flats: list[Tensor], params: list[Tensor], bb
         pipe(K, prev.tiles, None, None, prev.stats, key, prev.per)
 
 
-def flood_matrix_grouped(K: Backend, grads: list[Tensor], params: Tensor, bbases, key, vec: bool) -> Tensor:
-    """In-place matrix flood of same-dtype contiguous tensors from one address table.
+def flood_matrix_grouped(K: Backend, grads: list[Tensor], params: Tensor, bbases, key, vec: bool,
+                         tables: GroupTables | None = None) -> Tensor:
+    """In-place matrix flood of same-dtype contiguous tensors from one address table (``tables``: given, the
+    tensors are wherever its addresses point when the launches run; ``grads`` then need only their dtype).
 
     Chunks c_0..c_m-1 of whole tensors: stage k floods c_k-1 while it sums c_k (2m + 1 launches,
     counting the per-chunk stats), so the arithmetic-bound floods overlap memory-bound sums.
     """
-    tables = group_tables(grads, bbases, K.config)
+    tables = group_tables(grads, bbases, K.config) if tables is None else tables
     first = tables.first
-    T = len(grads)
+    T = len(tables.first) - 1
     dev = grads[0].device
     per = ref.words_per_element(grads[0].dtype)
     part = torch.empty(first[-1], 2, dtype=torch.float32, device=dev)
@@ -337,12 +339,12 @@ def flood_matrix_grouped(K: Backend, grads: list[Tensor], params: Tensor, bbases
     return stats
 
 
-def grouped_norms(K: Backend, tensors: list[Tensor], vec: bool) -> Tensor:
+def grouped_norms(K: Backend, tensors: list[Tensor], vec: bool, tables: GroupTables | None = None) -> Tensor:
     """Per-tensor ||x||_2 (fp32, NaN for a non-finite tensor) of same-dtype contiguous tensors of one device,
     from one address table in two launches: pass 1 and the fixed-order per-tensor reduction, so the same
-    tensors give the same bits on every call."""
-    T = len(tensors)
-    tables = group_tables(tensors, [0] * T, K.config)
+    tensors give the same bits on every call (``tables``: as in flood_matrix_grouped)."""
+    T = len(tensors) if tables is None else len(tables.first) - 1
+    tables = group_tables(tensors, [0] * T, K.config) if tables is None else tables
     dev = tensors[0].device
     part = torch.empty(tables.first[-1], 2, dtype=torch.float32, device=dev)
     stats = torch.empty(T, 3, dtype=torch.float32, device=dev)

@@ -131,18 +131,22 @@ def rows_flood_kernel(
         tl.store(op + offs, to_out(add_noise(s[:, None, None] * g, sigma, za, zb, PER), out_ptr), mask=m)
 
 
-@triton.jit(do_not_specialize=["bbase"])
+@triton.jit(do_not_specialize=["bbase", "slot"])
 def rows_onepass_kernel(
-    g_ptr, out_ptr, part_ptr, count_ptr, params_ptr, key_ptr, bbase, D,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr,
+    g_ptr, out_ptr, part_ptr, count_ptr, params_ptr, key_ptr, bbase, D, addr_ptr, slot,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PER: tl.constexpr, FAST: tl.constexpr, ADDR: tl.constexpr,
 ):
     """One row per program, one pass over memory (D % (16 / PER) == 0, long rows): the row's norm,
     then out = rho min(1, clip/n) G[v] [n > thr] + sigma Z[v] (the public parameters need no other
     row); the re-read of a row in S hits the lines this program just loaded. part[v] = [active,
     clipped, n_v, non-finite] (no atomics: tens of thousands on four addresses serialise);
     rows_reduce_kernel turns them into stats and rows_poison_kernel, on a non-finite input, the
-    whole output into NaN."""
+    whole output into NaN. ADDR: in place at the address in addr[slot] (g and out give the pointer type
+    only), so a captured CUDA graph floods a gradient that moved."""
     L: tl.constexpr = 16 // PER
+    if ADDR:
+        g_ptr = tl.load(addr_ptr + slot).to(g_ptr.dtype)
+        out_ptr = g_ptr
     row = tl.program_id(0).to(tl.int64)
     if row == 0:  # the reduce pass's completion counter (stream order: before that pass starts)
         tl.store(count_ptr, 0)
@@ -223,12 +227,15 @@ def rows_reduce_kernel(part_ptr, part2_ptr, count_ptr, stats_ptr, params_ptr, V,
         tl.store(stats_ptr + 4, nan.to(tl.float32))
 
 
-@triton.jit
-def rows_poison_kernel(out_ptr, stats_ptr, N, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["slot"])
+def rows_poison_kernel(out_ptr, stats_ptr, N, addr_ptr, slot, BLOCK: tl.constexpr, ADDR: tl.constexpr):
     """NaN over the whole output when rows_reduce_kernel flagged a non-finite input (stats[4]):
-    a step never goes out half clean. A clean step costs one load per program."""
+    a step never goes out half clean. A clean step costs one load per program. ADDR: the output is at
+    the address in addr[slot]."""
     pid = tl.program_id(0)
     if tl.load(stats_ptr + 4) > 0.0:
+        if ADDR:
+            out_ptr = tl.load(addr_ptr + slot).to(out_ptr.dtype)
         offs = tl.arange(0, BLOCK)
         fill = tl.full([BLOCK], float("nan"), tl.float32)
         for start in range(pid.to(tl.int64) * BLOCK, N, tl.num_programs(0) * BLOCK):
@@ -255,7 +262,50 @@ def rows_flood_flat_kernel(
     tl.store(out_ptr + start + offs, to_out(add_noise(s * g, sigma, za, zb, PER), out_ptr), mask=m)
 
 
-# ----------------------------------------------------------------------------- launcher
+# ----------------------------------------------------------------------------- launchers
+def rows_onepass(K: Backend, V: int, D: int, dtype: torch.dtype) -> bool:
+    """Whether a V x D rows flood of ``dtype`` takes the one-pass kernels (long rows of whole blocks)."""
+    per = ref.words_per_element(dtype)
+    return V > 0 and D > 0 and rows_tiling(K.config, V, D, per)[1].rows == 1 and D % (ref.BLOCK_WORDS // per) == 0
+
+
+def _flood_onepass(K: Backend, V: int, D: int, g: Tensor, out: Tensor, params: Tensor, key: Tensor, bbase: int,
+                   addr: tuple[Tensor, int] | None) -> Tensor:
+    """The one-pass rows flood's three launches; its stats [sigma, |S|, clipped, M, non-finite] (a scratch
+    view). ``addr`` = (table, slot): in place at the address table[slot], ``g`` giving the pointer type."""
+    cfg, R = K.config, K.rows
+    per = ref.words_per_element(g.dtype)
+    flood_tile = rows_tiling(cfg, V, D, per)[1]
+    P = cdiv(V, cfg.reduce_chunk)
+    # per-row parts [V, 4], per-chunk partials [P, 4], the stats + non-finite flag [5], the counter
+    part = torch.empty(4 * V + 4 * P + 5 + 1, dtype=torch.float32, device=g.device)
+    part2, flag = part[4 * V : 4 * V + 4 * P], part[4 * V + 4 * P : 4 * V + 4 * P + 5]
+    count = part[4 * V + 4 * P + 5 :].view(torch.int32)
+    table, slot = (part, 0) if addr is None else addr  # without ADDR the table argument is never read
+    bd = flood_tile.cols
+    R.rows_onepass_kernel[(V,)](
+        g, out, part, count, params, key, bbase, D, table, slot, BLOCK_D=bd, EVEN_D=D % bd == 0, PER=per,
+        FAST=cfg.fast_math, ADDR=addr is not None, num_warps=flood_tile.warps,
+    )
+    R.rows_reduce_kernel[(P,)](
+        part, part2, count, flag, params, V, CHUNK=cfg.reduce_chunk, FIN=max(2, 1 << (P - 1).bit_length()),
+        num_warps=4,
+    )
+    R.rows_poison_kernel[(min(cdiv(V * D, 4096), 1024),)](out, flag, V * D, table, slot, BLOCK=4096,
+                                                            ADDR=addr is not None)
+    return flag
+
+
+def flood_rows_at(K: Backend, shape: tuple[int, int], like: Tensor, table: Tensor, slot: int, params: Tensor,
+                  key: Tensor, bbase: int) -> None:
+    """The in-place one-pass rows flood of the V x D tensor whose address is table[slot] (``like``: any tensor
+    of its dtype and device). A CUDA graph of it floods the tensor found there at each replay."""
+    V, D = shape
+    if not rows_onepass(K, V, D, like.dtype):
+        raise ValueError(f"flood_rows_at: a {V} x {D} {like.dtype} rows flood does not take the one-pass kernels")
+    _flood_onepass(K, V, D, like, like, params, key, bbase, (table, slot))
+
+
 def flood_rows(K: Backend, g: Tensor, out: Tensor, params: Tensor, key: Tensor, bbase: int, stats=None, *,
                keep_stats: bool = True) -> Tensor:
     """Rows flood of a contiguous V x D ``g`` into ``out`` (may be ``g``) from keystream block
@@ -266,28 +316,14 @@ def flood_rows(K: Backend, g: Tensor, out: Tensor, params: Tensor, key: Tensor, 
     per = ref.words_per_element(g.dtype)
     cfg, R = K.config, K.rows
     norms_tile, flood_tile = rows_tiling(cfg, V, D, per)
-    onepass = V > 0 and D > 0 and flood_tile.rows == 1 and D % (ref.BLOCK_WORDS // per) == 0
+    onepass = rows_onepass(K, V, D, g.dtype)
     if stats is None and (keep_stats or not onepass):
         stats = torch.empty(4, dtype=torch.float32, device=dev)
     if V == 0 or D == 0:  # nothing to flood: S empty
         stats.copy_(torch.stack((params[1], *params.new_zeros(3))))
         return stats
     if onepass:  # long rows: one pass over memory
-        P = cdiv(V, cfg.reduce_chunk)
-        # per-row parts [V, 4], per-chunk partials [P, 4], the stats + non-finite flag [5], the counter
-        part = torch.empty(4 * V + 4 * P + 5 + 1, dtype=torch.float32, device=dev)
-        part2, flag = part[4 * V : 4 * V + 4 * P], part[4 * V + 4 * P : 4 * V + 4 * P + 5]
-        count = part[4 * V + 4 * P + 5 :].view(torch.int32)
-        bd = flood_tile.cols
-        R.rows_onepass_kernel[(V,)](
-            g, out, part, count, params, key, bbase, D, BLOCK_D=bd, EVEN_D=D % bd == 0, PER=per,
-            FAST=cfg.fast_math, num_warps=flood_tile.warps,
-        )
-        R.rows_reduce_kernel[(P,)](
-            part, part2, count, flag, params, V, CHUNK=cfg.reduce_chunk, FIN=max(2, 1 << (P - 1).bit_length()),
-            num_warps=4,
-        )
-        R.rows_poison_kernel[(min(cdiv(V * D, 4096), 1024),)](out, flag, V * D, BLOCK=4096)
+        flag = _flood_onepass(K, V, D, g, out, params, key, bbase, None)
         if not keep_stats:
             return flag[:4]
         stats.copy_(flag[:4])

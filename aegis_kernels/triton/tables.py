@@ -122,6 +122,15 @@ def group_tables(grads: list[Tensor], bbases, cfg: LaunchConfig = PROCESS) -> Gr
     return entry
 
 
+def addressed_tables(device: torch.device, itemsize: int, numels: tuple, bbases,
+                     cfg: LaunchConfig = PROCESS) -> GroupTables:
+    """Tables of their own, in no cache, whose address part (``meta[:T]``, zero here) the caller writes on the
+    device before each launch: a captured CUDA graph that writes it first floods tensors that moved."""
+    layout = group_layout(device, itemsize, numels, bbases, cfg)
+    meta = torch.cat([torch.zeros(len(numels), dtype=torch.int64, device=device), layout.static])
+    return GroupTables(meta, layout.tile_tensor, layout.first, layout.chunks, layout.hosts)
+
+
 def clear_caches() -> None:
     """Forget every cached table and layout (tables a captured graph still reads stay alive with it)."""
     _TABLES.clear()

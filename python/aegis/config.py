@@ -377,10 +377,11 @@ class AegisConfig:
     device_seed:    keep a master key on the gradients' device and derive each step's key there through
                     the cipher, so a captured CUDA graph of ``mask_()`` draws a fresh key on every replay
                     (the master key is redrawn in a forked child).
-    cuda_graph:     on CUDA, capture the grouped flood once as a CUDA graph and replay it whenever the
-                    gradients are back at addresses seen before (one launch per step instead of ~20).
-                    Pays off with ``zero_grad(set_to_none=False)``; with the default
-                    ``set_to_none=True`` the allocator moves gradients and every step runs eagerly.
+    cuda_graph:     on CUDA (default True), capture the flood and its checksum once as a CUDA graph that
+                    reads the gradients' addresses from a device table, and replay it on every later step
+                    (one launch instead of ~12, whether ``zero_grad`` moves the gradients or not).
+                    Gradients no table can address (short embedding rows, mixed dtypes, non-contiguous)
+                    are flooded eagerly, as with False.
     export:         ExportMode.STEP (default: every step's gradient is flooded and exported) or DELTA (one
                     flooded weight delta per round of local training, calibrated by a public round:
                     ``aegis.delta``).
@@ -400,7 +401,7 @@ class AegisConfig:
     exposure: ExposurePolicy = ExposurePolicy.REFUSE
     exposure_state: str | None = None
     device_seed: bool = False
-    cuda_graph: bool = False
+    cuda_graph: bool = True
     export: ExportMode = ExportMode.STEP
 
     def __post_init__(self) -> None:

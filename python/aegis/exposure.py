@@ -23,10 +23,15 @@ exposed that often. Not caught: a short sentence cut by two or more tokens, or p
 A forward that passed embeddings instead of ids (``inputs_embeds``), or a backward with no counted forward
 at all (``model.forward`` called past the hooks), is refused unless ``track_examples`` gives the ids.
 
-**Cost.** The ids are copied to the host during the forward; once a backward starts, a worker thread sends
-them to the decider, a process of its own (``aegis.exposure_decider``) that hashes them while the backward
-runs and takes the decision, one store transaction of the step's digests (``aegis.exposure_store``), while
-the flood runs. The training process's interpreter lock is held only to copy and send the ids.
+**Cost.** The ids are copied to the host during the forward; at a backward's first gradient a worker thread
+sends them to the decider, a process of its own (``aegis.exposure_decider``) that hashes them and takes the
+decision, one store transaction of the step's digests (``aegis.exposure_store``), while the backward runs:
+``mask_()`` finds it taken. The training process's interpreter lock is held only to copy and send the ids.
+A decision taken at the backward reserves the step's text before ``mask_()``: a step dropped after its
+backward without ``mask_()`` (a GradScaler's skipped fp16 step) stays counted, over-counting on the safe
+side. Forwards added after a backward (gradient accumulation) are decided at their own backward or at
+``mask_()``, in the same step: text the step already counted is not counted twice. Held trackers
+(``hold()``) and ``torch.distributed`` runs decide at ``mask_()``.
 
 **Persistence** (``aegis.exposure_store``): the salt and the counts live in a store (an SQLite file and the
 folder of sorted runs beside it) shared by every process that names it, and the budget decision is one
@@ -99,7 +104,7 @@ class ExposureTracker:
     it only counts the rows of the step (``rows_pending``: the batch the preset's promise is stated for)."""
 
     def __init__(self, model: nn.Module, budget: int, gradients: Callable[[], list[Tensor | None]],
-                 state: str | None, counting: bool = True):
+                 state: str | None, counting: bool = True, precheck: Callable[[int], None] | None = None):
         embeddings = input_embeddings(model)
         if embeddings is None:
             raise ValueError(
@@ -120,6 +125,11 @@ class ExposureTracker:
         self._pending: list[Pending] = []  # this step's forwards, sent to the decider once a backward starts
         self._untracked = 0  # forwards of this step that passed no token ids (inputs_embeds)
         self._backward_seen = False  # a backward ran since the pending forwards began
+        self._precheck = precheck  # raises for a step outside the preset's promise (then mask_() decides, and raises)
+        self._armed = False  # a counted forward not yet in a decision: the next backward starts one
+        self._decisions: list[Future[int]] = []  # this step's decisions, started at its backwards
+        self._covered = 0  # the pending forwards [0, _covered) are in one of them
+        self._step = 0  # the decider strips, within one step, text an earlier decision of it counted
         self._refused: list[tuple[Tensor, int]] | None = None  # the gradients of a refused step
         self._held = 0
         self._mask: Tensor | None = None  # the attention mask of the model forward in progress
@@ -154,10 +164,27 @@ class ExposureTracker:
             self.discard()
 
     def note_backward(self) -> None:
+        """A gradient arrived: the first of a backward sends the step's forwards and starts their decision."""
         if not self._backward_seen:
             for pending in self._pending:  # the step's forwards are in: hashed while the backward runs
                 self._send(pending)
-        self._backward_seen = True
+            self._backward_seen = True
+        if self._armed:
+            self._armed = False
+            self._decide_early()
+
+    def _decide_early(self) -> None:
+        """Start the decision of the forwards no decision covers yet, so ``mask_()`` finds it taken. Not when
+        ``mask_()`` would refuse the step before deciding, under ``hold()`` or torch.distributed (collectives)."""
+        if self._counter is None or self._held or ranks.distributed() or self._problem():
+            return
+        if self._precheck is not None:
+            try:
+                self._precheck(self._rows_pending)
+            except ValueError:
+                return
+        self._decisions.append(on_worker(self._decide_in_decider, self._pending[self._covered:], [], self._step))
+        self._covered = len(self._pending)
 
     def _send(self, pending: Pending) -> None:
         if self._counter is not None and not ranks.distributed():  # under DDP rank 0 gathers them at the decision
@@ -191,6 +218,7 @@ class ExposureTracker:
     def _add(self, ids: Tensor, mask: Tensor | None) -> None:
         flat = ids.detach().reshape(-1, ids.shape[-1])
         self._rows_pending += flat.shape[0]
+        self._armed = True
         if self._counter is not None:
             copy = _HostCopy(flat, None if mask is None else mask.detach().reshape(flat.shape))
             self._pending.append(Pending(copy.arrays))
@@ -249,16 +277,22 @@ class ExposureTracker:
         """``decide()`` in the decider, after the step's hashing, so the transaction runs while the caller
         launches the flood; the caller joins it before anything is stepped or exported. A problem is raised
         here at once; under torch.distributed (collectives) it decides here too."""
+        done: Future[int] = Future()
         if ranks.distributed():
-            done: Future[int] = Future()
             done.set_result(self.decide())
             return done
         self._raise(self._problem())
-        return on_worker(self._decide_in_decider, list(self._pending), [])
+        rest = self._pending[self._covered:]
+        decisions = self._decisions + [on_worker(self._decide_in_decider, rest, [], self._step)] * bool(rest)
+        self._decisions, self._covered, self._armed = [], len(self._pending), False
+        if len(decisions) == 1:
+            return decisions[0]
+        on_worker(_join, decisions, done)  # the worker runs in order: every decision before is answered
+        return done
 
-    def _decide_in_decider(self, pending: list[Pending], extra: list[Arrays]) -> int:
+    def _decide_in_decider(self, pending: list[Pending], extra: list[Arrays], step: int | None = None) -> int:
         assert self._counter is not None  # on the worker
-        over, self._exports_here = self._counter.decide(pending, extra, self.budget)
+        over, self._exports_here = self._counter.decide(pending, extra, self.budget, step)
         return over
 
     def _raise(self, problem: str | None) -> None:
@@ -274,6 +308,7 @@ class ExposureTracker:
         """The step was refused: it stays refused until these gradients are dropped (not merely changed).
         Returns the error to raise, naming the store and how much of it this process wrote."""
         self._refused = [(g, g._version) for g in grads if g is not None]
+        self._covered = 0  # a retry decides the whole step again (text it counted already is stripped)
         store = self.store
         where = "memory (IN_MEMORY)" if store is None or store.path is None else str(store.path)
         mine = self._exports_here
@@ -288,7 +323,8 @@ class ExposureTracker:
         if self._counter is not None and any(p.held for p in self._pending):  # not counted: the decider forgets them
             on_worker(self._counter.drop, self._pending)
         self._pending, self._untracked, self._backward_seen, self._refused = [], 0, False, None
-        self._rows_pending = 0
+        self._rows_pending, self._armed, self._decisions, self._covered = 0, False, [], 0
+        self._step += 1  # a decision still running stays counted (over-counting is safe)
 
     def wait_durable(self) -> None:
         if self._counter is not None:
@@ -303,6 +339,14 @@ class ExposureTracker:
             handle.remove()
         if self._counter is not None:
             self._closer()
+
+
+def _join(decisions: list[Future[int]], done: Future[int]) -> None:
+    """On the worker, after every one of ``decisions`` ran: their rows over the budget, or their first error."""
+    try:
+        done.set_result(sum(d.result() for d in decisions))
+    except BaseException as err:
+        done.set_exception(err)
 
 
 def _same(grad: Tensor, seen: tuple[Tensor, int]) -> bool:

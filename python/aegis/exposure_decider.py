@@ -14,9 +14,12 @@ and the model's pad and special ids. Messages, in order on one socket, sent from
 
 - ``("open", key, state, store_id, pad, special)``, answered: the decider opens the store and checks its id;
 - ``("rows", key, token, ids, mask)``: one forward's ids (numpy), hashed at once and kept under ``token``;
-- ``("decide", key, tokens, arrays, budget)``, answered ``(over, exports_here)``: the rows of ``tokens``
+- ``("decide", key, tokens, arrays, budget, step)``, answered ``(over, exports_here)``: the rows of ``tokens``
   and of ``arrays`` (ids sent with the decision: another rank's, or rows a restarted decider never saw),
-  then ``ExposureStore.reserve``; rows it counted are forgotten, a refused step's are kept for its retry;
+  then ``ExposureStore.reserve``; rows it counted are forgotten, a refused step's are kept for its retry.
+  A step decided in parts (gradient accumulation: a decision at each backward) counts its text once:
+  digests an earlier decision of the same ``step`` counted are stripped from the later ones (``step`` None:
+  a decision of its own);
 - ``("durable", key)`` and ``("max_count", key)``, answered; ``("drop", key, tokens)`` and ``("close", key)``.
 
 An error in the decider is sent back with its type and raised in the training process. If the decider
@@ -186,13 +189,15 @@ class Counter:
         pending.token, pending.sent_on = next(self._tokens), generation
         _DECIDER.send(("rows", self.key, pending.token, *pending.arrays()))
 
-    def decide(self, pending: Sequence[Pending], extra: Sequence[Arrays], budget: int) -> tuple[int, int]:
+    def decide(self, pending: Sequence[Pending], extra: Sequence[Arrays], budget: int,
+               step: int | None = None) -> tuple[int, int]:
         """(over, exports_here) of the ``pending`` forwards and the ``extra`` rows: those the decider holds by
-        token, the others (never sent, or sent to a decider that has exited since) with the decision."""
+        token, the others (never sent, or sent to a decider that has exited since) with the decision.
+        Decisions of one ``step`` count its text once."""
         generation = self.open()
         tokens = [p.token for p in pending if p.sent_on == generation]
         arrays = [p.arrays() for p in pending if p.sent_on != generation] + list(extra)
-        over, here = _DECIDER.call(("decide", self.key, tokens, arrays, budget))
+        over, here = _DECIDER.call(("decide", self.key, tokens, arrays, budget, step))
         self._decided_on = generation
         if not over:  # counted: the decider let go of their rows (a refused step keeps them for its retry)
             for p in pending:
@@ -230,6 +235,8 @@ class _Open:
                                "its decider: restore the original file; nothing was exported")
         self.counting = Counting(self.store.salt, pad, special)
         self.rows: dict[int, Rows | BaseException] = {}
+        self.step: int | None = None  # the step whose earlier decisions counted ``counted``
+        self.counted: set[int] = set()
 
     def hashed(self, token: int) -> Rows:
         rows = self.rows.get(token)  # kept until counted or dropped: a refused step is decided again
@@ -257,13 +264,19 @@ def _handle(counters: dict[int, _Open], kind: str, key: int, args: list) -> Any:
             counter.rows[token] = err
         return None
     if kind == "decide":
-        tokens, arrays, budget = args
+        tokens, arrays, budget, step = args
         rows = [row for token in tokens for row in counter.hashed(token)]
         rows += [row for ids, mask in arrays for row in counter.counting.rows(ids, mask)]
+        if step is None or step != counter.step:
+            counter.step, counter.counted = step, set()
+        elif counter.counted:  # this step counted these digests already: once per export
+            rows = [row - counter.counted for row in rows]
         over = counter.store.reserve(rows, budget)
         if not over:  # counted once: never decided again
             for token in tokens:
                 del counter.rows[token]
+            if step is not None:
+                counter.counted.update(*rows)
         return over, counter.store.exports_here
     if kind == "drop":
         for token in args[0]:

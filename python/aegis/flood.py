@@ -5,7 +5,8 @@ Four launches, one law (aegis_kernels.reference is the executable spec):
 - host key (default): a 256-bit key from ``secrets`` per step, ``flood_``;
 - device seed (``device_seed=True``): a master key on the device, each step's key derived there by
   ``flood_keyed_``, so a captured CUDA graph of ``mask_()`` draws fresh noise on every replay;
-- CUDA graph (``cuda_graph=True``): the grouped flood captured once and replayed with a fresh master per step;
+- CUDA graph (``cuda_graph=True``, the default; CUDA only): the flood and its checksum captured once per
+  layout of gradients and replayed with a fresh master key per step, wherever the gradients are;
 - pure noise (a silenced step): rho = 0 under a host key.
 Under ``torch.distributed`` every rank floods with rank 0's key (``aegis.ranks``), so replicas stay equal.
 """
@@ -34,8 +35,10 @@ class Flood:
         self.graphed: GraphedFlood | None = None
         self.step = 0
 
-    def __call__(self, tensors: list[Tensor], modes: str, params: Tensor, *, pure_noise: bool = False) -> None:
-        """Flood ``tensors`` in place with the (T, 4) ``params``; ``pure_noise`` exports rho = 0."""
+    def __call__(self, tensors: list[Tensor], modes: str, params: Tensor, *, pure_noise: bool = False
+                 ) -> Tensor | None:
+        """Flood ``tensors`` in place with the (T, 4) ``params``; ``pure_noise`` exports rho = 0. Returns the
+        flooded tensors' norms (``norms``) when the CUDA graph took them with the flood, else None."""
         if pure_noise:
             params = params.clone()
             params[:, 0] = 0.0  # nothing of this batch leaves
@@ -43,9 +46,10 @@ class Flood:
         elif self.config.device_seed:
             torch.ops.aegis.flood_keyed_(tensors, modes, params, self.device_state(tensors[0].device))
         elif self.graphable(tensors) and self.graphed is not None:
-            self.graphed(tensors, modes, params, self.master_words(), self.step)
+            return self.graphed(tensors, modes, params, self.master_words(), self.step)
         else:
             torch.ops.aegis.flood_(tensors, modes, params, self.step_key(tensors[0].device))
+        return None
 
     def capturing(self, counting: bool) -> bool:
         """True inside a CUDA-graph capture, where only a device seed and no exposure count can run."""
@@ -71,7 +75,7 @@ class Flood:
         device = tensors[0].device
         if any(t.device != device for t in tensors) or torch.cuda.is_current_stream_capturing():
             return False
-        if self.graphed is None or self.graphed.state.device != device:
+        if self.graphed is None or self.graphed.device != device:
             self.graphed = GraphedFlood(device)
         return True
 

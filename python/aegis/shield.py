@@ -55,7 +55,7 @@ class Shield:
         counting = config.exposure is not ExposurePolicy.OFF
         if self._flooded and (counting or input_embeddings(model) is not None):
             self._exposure = ExposureTracker(model, config.exposures, weakly(self._flooded_grads),
-                                             config.exposure_state, counting=counting)
+                                             config.exposure_state, counting=counting, precheck=config.check_batch)
         # The model's hooks hold the shield weakly: a shield nobody holds (and no optimizer hooks) is collected,
         # its hooks go with it, and the model may be protected again. The optimizer hook holds it strongly.
         handles = [p.param.register_post_accumulate_grad_hook(weakly(self._on_gradient))
@@ -135,9 +135,11 @@ class Shield:
         decision = self._decide()
         grads = [_gradient(p.param) for p in self._flooded]
         views = self._views(grads)
+        checks = None  # the checksum: the norms of the flooded gradients (a CUDA graph takes them with the flood)
         if views:  # launched while the decision's transaction runs; nothing steps or leaves before it is in
-            self._flood(views, self._mode_string, self._table(views))
-        checks = norms(grads)  # the checksum, still while the decision runs
+            checks = self._flood(views, self._mode_string, self._table(views))
+        if checks is None:
+            checks = norms(grads)
         silenced = self._settle(decision)
         if silenced and views:  # over the budget: the flood is replaced by pure noise (rho = 0)
             self._flood(views, self._mode_string, self._table(views), pure_noise=True)
@@ -156,8 +158,9 @@ class Shield:
         return self._flood.capturing(counting=self._counting)
 
     def _decide(self) -> Future[int] | None:
-        """Start this step's exposure decision (one store transaction, on a worker); refuse at once a batch
-        outside the preset's promise or one whose examples cannot be counted."""
+        """This step's exposure decision (one store transaction in the decider, mostly started at the backward's
+        first gradient); refuse at once a batch outside the preset's promise or one whose examples cannot be
+        counted."""
         if self._exposure is None:
             return None
         if self._exposure.rows_pending:
