@@ -236,8 +236,8 @@ def test_bad_input_names_the_fix():
         DeltaShield(model, opt, config, None)
     with pytest.raises(ValueError, match="Calibration.BATCH"):
         DeltaShield(model, opt, config.replace(calibration=Calibration.BATCH), loss)
-    with pytest.raises(ValueError, match="step-mode options"):
-        DeltaShield(model, opt, config.replace(cuda_graph=True), loss)
+    with pytest.raises(ValueError, match="step-mode option"):
+        DeltaShield(model, opt, config.replace(device_seed=True), loss)
     with pytest.raises(ValueError, match="export='sideways'"):
         AegisConfig(export="sideways")
     with pytest.raises(ValueError, match="no public text"):

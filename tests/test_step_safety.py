@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import aegis
-from aegis import ExposurePolicy
+from aegis import ExposurePolicy, NonFinite
 from aegis.exposure import IN_MEMORY
 from families import build, loss_of
 
@@ -32,7 +32,7 @@ def _weights(model):
 @pytest.mark.parametrize("where", ["transformer.wte.weight", "transformer.h.0.mlp.c_fc.weight",
                                    "transformer.ln_f.bias"])
 def test_a_non_finite_gradient_skips_the_step(value, where):
-    model, opt, shield = _setup()
+    model, opt, shield = _setup(non_finite=NonFinite.SKIP)
     before = _weights(model)
     loss_of(model).backward()
     dict(model.named_parameters())[where].grad.view(-1)[3] = value
@@ -52,6 +52,26 @@ def test_a_non_finite_gradient_skips_the_step(value, where):
     opt.step()
     assert all(t.isfinite().all() for t in shield.export().values())
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("where", ["transformer.wte.weight", "transformer.h.0.mlp.c_fc.weight",
+                                   "transformer.ln_f.bias"])
+def test_by_default_a_non_finite_gradient_is_refused_at_export_and_mask_does_not_skip(where):
+    """NonFinite.STEP: mask_() does not wait for the device; export() refuses, naming the tensor and the option."""
+    model, opt, shield = _setup()
+    loss_of(model).backward()
+    dict(model.named_parameters())[where].grad.view(-1)[3] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shield.mask_()
+    assert shield.is_masked
+    with pytest.raises(RuntimeError, match=f"non-finite gradient in {where}.*NonFinite.SKIP"):
+        shield.export()
+    assert shield.report().skipped_steps == 0
+    opt.step()  # as without AEGIS: the optimizer steps on it
+    assert not bool(torch.isfinite(dict(model.named_parameters())[where]).all())
+    with pytest.raises(ValueError, match="non_finite='sometimes'"):
+        aegis.AegisConfig(non_finite="sometimes")
 
 
 def test_grad_scaler_skips_inf_steps_before_the_shield_and_masks_unscaled_gradients():
@@ -253,7 +273,7 @@ def test_gpu_capture_without_device_seed_raises_and_with_it_every_replay_differs
 def test_gpu_a_non_finite_gradient_skips_the_step(where):
     model, ids = _tiny_gpu()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    shield = aegis.protect(model, opt, aegis.AegisConfig(exposure=ExposurePolicy.OFF))
+    shield = aegis.protect(model, opt, aegis.AegisConfig(exposure=ExposurePolicy.OFF, non_finite=NonFinite.SKIP))
     before = _weights(model)
     model(input_ids=ids, labels=ids).loss.backward()
     dict(model.named_parameters())[where].grad.view(-1)[7] = float("nan")

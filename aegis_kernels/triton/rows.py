@@ -144,8 +144,8 @@ def rows_onepass_kernel(
     whole output into NaN. ADDR: in place at the address in addr[slot] (g and out give the pointer type
     only), so a captured CUDA graph floods a gradient that moved."""
     L: tl.constexpr = 16 // PER
-    if ADDR:
-        g_ptr = tl.load(addr_ptr + slot).to(g_ptr.dtype)
+    if ADDR:  # 16-byte aligned (host-checked), as a pointer argument is: the same layouts, the same bits
+        g_ptr = tl.multiple_of(tl.load(addr_ptr + slot).to(g_ptr.dtype), 16)
         out_ptr = g_ptr
     row = tl.program_id(0).to(tl.int64)
     if row == 0:  # the reduce pass's completion counter (stream order: before that pass starts)

@@ -10,14 +10,25 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import calibration, exposure
-    from .config import PRESETS, ROLES, AegisConfig, Calibration, ExportMode, Preset, Promise, Threat, Treatment
+    from .config import (
+        PRESETS,
+        ROLES,
+        AegisConfig,
+        Calibration,
+        ExportMode,
+        NonFinite,
+        Preset,
+        Promise,
+        Threat,
+        Treatment,
+    )
     from .delta import DeltaShield
     from .exposure import ExposurePolicy
     from .shield import CoverageReport, Shield, protect
 
 _HOME = {  # public name -> the submodule defining it
-    **dict.fromkeys(("PRESETS", "ROLES", "AegisConfig", "Calibration", "ExportMode", "Preset", "Promise", "Threat",
-                     "Treatment"), "config"),
+    **dict.fromkeys(("PRESETS", "ROLES", "AegisConfig", "Calibration", "ExportMode", "NonFinite", "Preset", "Promise",
+                     "Threat", "Treatment"), "config"),
     "DeltaShield": "delta",
     "ExposurePolicy": "exposure",
     **dict.fromkeys(("CoverageReport", "Shield", "protect"), "shield"),
@@ -26,6 +37,7 @@ __all__ = [
     "AegisConfig",
     "Calibration",
     "ExportMode",
+    "NonFinite",
     "Treatment",
     "Preset",
     "Promise",

@@ -43,6 +43,21 @@ class ExportMode(str, enum.Enum):
     STEP = "step"
     DELTA = "delta"
 
+class NonFinite(str, enum.Enum):
+    """What a step whose gradient holds a NaN or inf does. Its flooded tensors are NaN wherever the input was
+    non-finite, so nothing of it can leave either way.
+
+    STEP: ``mask_()`` does not wait for the GPU to find out (the default: no device sync per step, as PyTorch
+          itself never checks); ``export()`` refuses the step, naming the tensors, and the optimizer steps as
+          it would without AEGIS (``torch.amp.GradScaler`` skips inf steps before the shield's hook).
+    SKIP: ``mask_()`` waits for the flood's norms (one device sync per step) and drops every gradient, so the
+          optimizer step changes nothing; ``export()`` refuses; a warning names the tensors.
+    """
+
+    STEP = "step"
+    SKIP = "skip"
+
+
 Kind = Literal["frozen", "rows", "matrix"]
 
 FIXED_KEY_ENV = "AEGIS_ALLOW_FIXED_KEY"  # tests only: lets AegisConfig(seed=...) through
@@ -382,6 +397,9 @@ class AegisConfig:
                     (one launch instead of ~12, whether ``zero_grad`` moves the gradients or not).
                     Gradients no table can address (short embedding rows, mixed dtypes, non-contiguous)
                     are flooded eagerly, as with False.
+    non_finite:     NonFinite.STEP (default: a step with a NaN or inf gradient is refused at ``export()``, and
+                    ``mask_()`` never waits for the GPU) or SKIP (``mask_()`` syncs once per step and drops such
+                    a step's gradients, so the optimizer step is a no-op).
     export:         ExportMode.STEP (default: every step's gradient is flooded and exported) or DELTA (one
                     flooded weight delta per round of local training, calibrated by a public round:
                     ``aegis.delta``).
@@ -402,6 +420,7 @@ class AegisConfig:
     exposure_state: str | None = None
     device_seed: bool = False
     cuda_graph: bool = True
+    non_finite: NonFinite = NonFinite.STEP
     export: ExportMode = ExportMode.STEP
 
     def __post_init__(self) -> None:
@@ -419,6 +438,9 @@ class AegisConfig:
             raise ValueError(f"rel_threshold={self.rel_threshold}: must lie in [0, 1)")
         object.__setattr__(self, "calibration", Calibration(self.calibration))
         object.__setattr__(self, "exposure", ExposurePolicy(self.exposure))
+        if self.non_finite not in tuple(NonFinite):
+            raise ValueError(f"non_finite={self.non_finite!r}: use NonFinite.STEP or NonFinite.SKIP ('step' / 'skip')")
+        object.__setattr__(self, "non_finite", NonFinite(self.non_finite))
         if self.export not in tuple(ExportMode):
             raise ValueError(f"export={self.export!r}: use ExportMode.STEP or ExportMode.DELTA ('step' / 'delta')")
         object.__setattr__(self, "export", ExportMode(self.export))

@@ -136,9 +136,9 @@ class DeltaShield:
         if config.calibration is not Calibration.PUBLIC:
             raise ValueError("delta mode calibrates on a public round only: Calibration.BATCH would size the noise "
                              "from the private delta itself")
-        if config.device_seed or config.cuda_graph:
-            raise ValueError("device_seed / cuda_graph are step-mode options (a captured per-step flood); delta "
-                             "mode floods once per round: leave them False")
+        if config.device_seed:  # cuda_graph (a per-step replay) has nothing to replay here
+            raise ValueError("device_seed is a step-mode option (a captured per-step flood); delta mode floods once "
+                             "per round: leave it False")
         self.model, self.optimizer, self.config = model, optimizer, config
         plans = plan(model, config)
         frozen = [p.param for p in plans if p.treatment.kind == "frozen"]

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .calibration import PublicLoss, batch_table, public_table, synthetic_loss
-from .config import AegisConfig, Calibration, ExportMode
+from .config import AegisConfig, Calibration, ExportMode, NonFinite
 from .coverage import CoverageReport, coverage_report
 from .exposure import ExposurePolicy, ExposureTracker, input_embeddings
 from .flood import Flood, norms
@@ -129,8 +129,9 @@ class Shield:
         """Flood every trainable gradient in place, one grouped ``flood_`` call under a fresh secret key.
 
         A flooded parameter the backward did not reach is flooded as a zero gradient (an exact zero would
-        tell which modules the batch used). A non-finite gradient skips the step: every gradient is
-        dropped (the optimizer step changes nothing), ``export()`` refuses, a warning names the tensors."""
+        tell which modules the batch used). A non-finite gradient: ``export()`` refuses the step; with
+        ``NonFinite.SKIP`` every gradient is dropped here (the optimizer step changes nothing) and a warning
+        names the tensors (``config.non_finite``)."""
         capturing = self._check()
         decision = self._decide()
         grads = [_gradient(p.param) for p in self._flooded]
@@ -197,9 +198,11 @@ class Shield:
         return self._params
 
     def _commit(self, grads: list[Tensor], checks: Tensor | None, silenced: bool, capturing: bool) -> None:
-        """Record the masked state export() checks; a non-finite gradient skips the step instead (a NaN or inf
-        makes its flooded tensor non-finite, so the checksum's norms find it; a capture cannot sync)."""
-        if checks is not None and not capturing and not bool(torch.isfinite(checks).all()):
+        """Record the masked state export() checks; under NonFinite.SKIP a non-finite gradient skips the step
+        instead (a NaN or inf makes its flooded tensor non-finite, so the checksum's norms find it). Only SKIP
+        waits for the device here; a capture cannot."""
+        if (checks is not None and not capturing and self.config.non_finite is NonFinite.SKIP
+                and not bool(torch.isfinite(checks).all())):
             self._skip(checks)
             return
         if self._exposure is not None:
@@ -210,9 +213,11 @@ class Shield:
         self._masked = [(weakref.ref(g), g._version) for g in grads]
         self._checksum = None if checks is None else checks.view(torch.int32)
 
+    def _non_finite(self, checks: Tensor) -> list[str]:
+        return [self._flooded[i].name for i in torch.isfinite(checks).logical_not().nonzero().flatten().tolist()]
+
     def _skip(self, checks: Tensor) -> None:
-        bad = torch.isfinite(checks).logical_not().nonzero().flatten().tolist()
-        self._skipped = [self._flooded[i].name for i in bad]
+        self._skipped = self._non_finite(checks)
         for p in self.plans:
             if p.trainable:
                 p.param.grad = None
@@ -221,10 +226,9 @@ class Shield:
         self._skipped_steps += 1
         self._grad_arrived = False
         self._masked = None
-        shown = ", ".join(self._skipped[:5]) + (f" and {len(self._skipped) - 5} more" if len(self._skipped) > 5 else "")
-        warnings.warn(f"AEGIS skipped this step: non-finite gradient in {shown}. Nothing is exported and the optimizer "
-                      "step changes nothing (every gradient was dropped); with torch.amp.GradScaler let "
-                      "scaler.step(optimizer) run the shield's optimizer hook after unscaling", stacklevel=3)
+        warnings.warn(f"AEGIS skipped this step: non-finite gradient in {_shown(self._skipped)}. Nothing is exported "
+                      "and the optimizer step changes nothing (every gradient was dropped); with torch.amp.GradScaler "
+                      "let scaler.step(optimizer) run the shield's optimizer hook after unscaling", stacklevel=3)
 
     def track_examples(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> None:
         """Count this step's examples from their ids when the forward received ``inputs_embeds``."""
@@ -284,6 +288,12 @@ class Shield:
                                                                               self._checksum)):
             raise RuntimeError("export() refused: a gradient changed after mask_() without a version bump (a write "
                                "through .data?); call backward() and mask_() again")
+        if current is not None and not bool(torch.isfinite(current).all()):  # NonFinite.STEP: found here
+            raise RuntimeError(
+                f"export() refused: non-finite gradient in {_shown(self._non_finite(current))} (its flood is NaN): "
+                "nothing of this step leaves. The optimizer steps on it as it would without AEGIS unless "
+                "torch.amp.GradScaler skipped it; AegisConfig(non_finite=NonFinite.SKIP) drops such steps in mask_() "
+                "(one device sync per step)")
         out = {}
         for p in self.plans:
             grad = p.param.grad
@@ -313,6 +323,10 @@ class Shield:
         self._detach()
         unregister(self)
         self._exposure = None
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _gradient(param: nn.Parameter) -> Tensor:
