@@ -59,9 +59,13 @@ def test_a_decider_killed_mid_decision_fails_the_step_and_a_new_one_keeps_the_co
     writer.execute("ROLLBACK")
     with pytest.raises(RuntimeError, match="not masked"):
         shield.export()
+    shield.mask_()  # a retry on the same gradients decides the step again, in a new decider: never uncounted
+    shield.export()
     model.zero_grad(set_to_none=True)
-    with pytest.raises(RuntimeError, match="exposure budget"):  # a new decider reads the store: TEXT was exported
-        export(model, shield, TEXT)
+    for text in (TEXT, OTHER):
+        with pytest.raises(RuntimeError, match="exposure budget"):  # the new decider reads the store
+            export(model, shield, text)
+        model.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
     export(model, shield, FRESH)
 

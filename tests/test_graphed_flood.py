@@ -77,7 +77,6 @@ def test_gpu_graph_replays_over_moved_tensors_bit_for_bit_with_a_fresh_key_each_
     gen = torch.Generator(device="cuda").manual_seed(1)
     params = _params(len(SHAPES))
     graphed = cuda_graph.GraphedFlood(torch.device("cuda"))
-    exports = []
     for step in range(6):
         tensors = _tensors(gen)  # zero_grad(set_to_none=True): every step new gradients
         clean = [t.clone() for t in tensors]
@@ -85,7 +84,6 @@ def test_gpu_graph_replays_over_moved_tensors_bit_for_bit_with_a_fresh_key_each_
         want, want_norms = _eager(clean, params, step)
         assert all(torch.equal(a, b) for a, b in zip(tensors, want)), step
         assert torch.equal(got, want_norms), step
-        exports.append(tensors)
     assert (graphed.captures, graphed.replays, graphed.disabled) == (1, 4, None)  # eager, capture, replays
     # the same clean tensor replayed at two steps: the difference is the two noises, variance 2 sigma^2 (a key
     # repeated even in part would cancel them), to 6 sigma of the sample variance of n normals

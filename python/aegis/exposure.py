@@ -282,12 +282,15 @@ class ExposureTracker:
             done.set_result(self.decide())
             return done
         self._raise(self._problem())
+        if any(d.done() and d.exception() is not None for d in self._decisions):
+            self._decisions, self._covered = [], 0  # a decision failed (its decider died): decide the step again
         rest = self._pending[self._covered:]
-        decisions = self._decisions + [on_worker(self._decide_in_decider, rest, [], self._step)] * bool(rest)
-        self._decisions, self._covered, self._armed = [], len(self._pending), False
-        if len(decisions) == 1:
-            return decisions[0]
-        on_worker(_join, decisions, done)  # the worker runs in order: every decision before is answered
+        if rest or not self._decisions:
+            self._decisions.append(on_worker(self._decide_in_decider, rest, [], self._step))
+            self._covered, self._armed = len(self._pending), False
+        if len(self._decisions) == 1:
+            return self._decisions[0]
+        on_worker(_join, list(self._decisions), done)  # the worker runs in order: every decision before is answered
         return done
 
     def _decide_in_decider(self, pending: list[Pending], extra: list[Arrays], step: int | None = None) -> int:
@@ -308,7 +311,7 @@ class ExposureTracker:
         """The step was refused: it stays refused until these gradients are dropped (not merely changed).
         Returns the error to raise, naming the store and how much of it this process wrote."""
         self._refused = [(g, g._version) for g in grads if g is not None]
-        self._covered = 0  # a retry decides the whole step again (text it counted already is stripped)
+        self._decisions, self._covered = [], 0  # a retry decides the whole step again (text it counted is stripped)
         store = self.store
         where = "memory (IN_MEMORY)" if store is None or store.path is None else str(store.path)
         mine = self._exports_here

@@ -4,8 +4,8 @@ Why a process: the hashing (hundreds of keyed blake2b calls a step) and the stor
 work. On a worker thread they hold the interpreter lock while the training thread launches the backward's
 kernels; in a launch-bound step (a small model, a small batch) every millisecond of it is a millisecond of
 the step. Here the training process only copies the ids to the host and writes them down a socket; the
-decider (``python -m aegis.exposure_decider``, torch-free) hashes them as they arrive, during the backward,
-and answers the decision while the flood runs.
+decider (``python -m aegis.exposure_decider``, torch-free) hashes them as they arrive and takes the decision,
+both during the backward.
 
 One decider per training process, started by the first counting shield and ended when its socket closes
 (the training process exits, or forks and lets go of it). Each tracker opens a *counter* on it: the store

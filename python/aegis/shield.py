@@ -1,8 +1,9 @@
 """The shield: freezes attention, floods every other trainable gradient, exports only masked ones.
 
 ``mask_()`` reads as named steps, like an Opacus optimizer's ``pre_step``: ``_check`` (a fresh gradient to mask),
-``_decide`` (the exposure budget, one store transaction before anything is flooded), ``_table`` (the public
-table), the flood under a fresh key (``aegis.flood.Flood``), ``_commit`` (the state ``export()`` verifies)."""
+``_decide`` (the exposure budget: one store transaction, mostly taken already at the backward's first gradient),
+``_table`` (the public table), the flood under a fresh key (``aegis.flood.Flood``), ``_commit`` (the state
+``export()`` verifies)."""
 from __future__ import annotations
 
 import contextlib
