@@ -10,6 +10,7 @@ Raw ``@triton.jit`` kernels plus thin launchers (Liger-Kernel style), one concer
   flood.py      flood / flood_ / flood_keyed_: checks, then the rows and matrix launchers; norms
   launch.py     launch planning: block sizes, kernels per device, rows tiling, flood_ plans
   tables.py     device address tables of grouped launches, their caches
+  addressed.py  flood_keyed_ + norms reading every tensor's address from a device table (the shield's graph)
   interpret.py  CPU tensors through the Triton interpreter (no environment needed)
   testing.py    test-only kernels (raw keystream words, the normals' summands)
 

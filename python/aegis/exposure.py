@@ -274,9 +274,9 @@ class ExposureTracker:
         return ranks.decided_by_rank0(lambda: on_worker(self._decide_in_decider, [], gathered).result())
 
     def decide_async(self) -> Future[int]:
-        """``decide()`` in the decider, after the step's hashing, so the transaction runs while the caller
-        launches the flood; the caller joins it before anything is stepped or exported. A problem is raised
-        here at once; under torch.distributed (collectives) it decides here too."""
+        """``decide()`` in the decider: the decisions the step's backwards started, and one for the forwards
+        none covers; the caller joins it before anything is stepped or exported. A problem is raised here at
+        once; under torch.distributed (collectives) it decides here too."""
         done: Future[int] = Future()
         if ranks.distributed():
             done.set_result(self.decide())
